@@ -1,0 +1,39 @@
+"""ckptstore: a sharded, content-addressed checkpoint store for PyTorch."""
+
+from __future__ import annotations
+
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CkptStoreError,
+    DurabilityError,
+    FormatError,
+    IntegrityError,
+    InvalidNameError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+    UnsupportedTypeError,
+)
+from .stores import LocalStore, MemoryStore, ObjectInfo, Store, open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CkptStoreError",
+    "DurabilityError",
+    "FormatError",
+    "IntegrityError",
+    "InvalidNameError",
+    "LocalStore",
+    "MemoryStore",
+    "ObjectExistsError",
+    "ObjectInfo",
+    "ObjectNotFoundError",
+    "Store",
+    "StoreError",
+    "UnsupportedTypeError",
+    "open_store",
+]

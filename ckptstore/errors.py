@@ -1,0 +1,51 @@
+"""Error types. Every error ckptstore raises derives from CkptStoreError and, where one fits,
+from the matching builtin, so callers can catch either."""
+
+from __future__ import annotations
+
+
+class CkptStoreError(Exception):
+    """Base class of every ckptstore error."""
+
+
+class StoreError(CkptStoreError, OSError):
+    """A storage backend failed (I/O error, unreachable endpoint, refused request)."""
+
+
+class ObjectNotFoundError(StoreError, FileNotFoundError):
+    """A store key that should exist does not."""
+
+
+class ObjectExistsError(StoreError, FileExistsError):
+    """A create-only write found the key already present with other content."""
+
+
+class DurabilityError(StoreError):
+    """A write could not be made durable (for example fsync failed). Fatal for that save."""
+
+
+class CheckpointNotFoundError(CkptStoreError, FileNotFoundError, KeyError):
+    """No checkpoint of that name exists in the repository."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return str(self.args[0]) if self.args else "checkpoint not found"
+
+
+class CheckpointExistsError(CkptStoreError, FileExistsError):
+    """A checkpoint of that name exists already; it was not touched."""
+
+
+class IntegrityError(CkptStoreError, ValueError):
+    """Bytes read back do not match their recorded digest or size."""
+
+
+class FormatError(CkptStoreError, ValueError):
+    """A manifest, marker or other stored document is malformed or of an unknown version."""
+
+
+class InvalidNameError(CkptStoreError, ValueError):
+    """A checkpoint name or store key fails validation."""
+
+
+class UnsupportedTypeError(CkptStoreError, TypeError):
+    """A value in the state cannot be stored; the message names its key path."""

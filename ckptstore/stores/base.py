@@ -1,0 +1,106 @@
+"""The store interface: a flat namespace of immutable-ish objects addressed by '/'-separated keys.
+
+Contract shared by every backend (tests/test_store_contract.py checks it against each):
+
+* Keys are validated (`names.validate_key`): no absolute paths, no '..', so no key escapes the
+  store's root.
+* `put` replaces the object atomically: a reader sees the old bytes or the new, never a mix.
+  It is durable once `sync()` has returned.
+* `create` is create-only and durable on return: it raises ObjectExistsError if the key exists
+  with other content (an identical object counts as success, which makes a retried create whose
+  first reply was lost safe). It is the commit primitive.
+* `get`/`get_range`/`read_into` raise ObjectNotFoundError for a missing key; a short read
+  raises StoreError (never returns fewer bytes than asked without saying so).
+* All methods are safe to call from many threads at once.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..errors import StoreError
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its key, size in bytes and last-modified time (POSIX seconds)."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+class Store(abc.ABC):
+    """Abstract store. Subclasses implement the abstract methods; the rest have defaults."""
+
+    #: URI this store was opened from (for messages; never contains credentials).
+    uri: str = ""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Return the whole object."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Return exactly `length` bytes from offset `start`; StoreError if the object is shorter."""
+
+    def read_into(self, key: str, start: int, out: memoryview) -> None:
+        """Fill `out` (a writable byte buffer) with bytes [start, start+len(out)) of the object.
+        Backends override this to read straight into the caller's memory."""
+        data = self.get_range(key, start, len(out))
+        out[:] = data
+
+    @abc.abstractmethod
+    def put(self, key: str, data: Buffer) -> None:
+        """Write the object atomically, replacing any existing one."""
+
+    @abc.abstractmethod
+    def create(self, key: str, data: Buffer) -> None:
+        """Create the object only if absent; durable on return. See the module contract."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """True if the object exists."""
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectInfo:
+        """Size and mtime of one object; ObjectNotFoundError if missing."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with `prefix`, in no promised order."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; deleting a missing key is not an error."""
+
+    def sync(self) -> None:
+        """Make every completed `put` durable (local: fsync the folders touched). Raises
+        DurabilityError if that fails; the caller must then treat its writes as lost."""
+
+    def close(self) -> None:
+        """Release connections and handles."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+
+def check_range(key: str, start: int, length: int) -> None:
+    if start < 0 or length < 0:
+        raise StoreError(f"invalid byte range start={start} length={length} for {key!r}")
+
+
+def short_read(key: str, start: int, wanted: int, got: int) -> StoreError:
+    return StoreError(
+        f"short read of {key!r}: wanted {wanted} bytes at offset {start}, got {got}"
+    )
