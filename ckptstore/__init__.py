@@ -37,3 +37,21 @@ __all__ = [
     "UnsupportedTypeError",
     "open_store",
 ]
+
+from .codecs import Codec  # noqa: E402
+from .errors import KeyMismatchError, RepositoryNotFoundError  # noqa: E402
+from .maintenance import GcReport, VerifyReport  # noqa: E402
+from .repository import CheckpointInfo, CheckpointStore, SaveHandle  # noqa: E402
+from .writer import SaveInfo  # noqa: E402
+
+__all__ += [
+    "CheckpointInfo",
+    "CheckpointStore",
+    "Codec",
+    "GcReport",
+    "KeyMismatchError",
+    "RepositoryNotFoundError",
+    "SaveHandle",
+    "SaveInfo",
+    "VerifyReport",
+]

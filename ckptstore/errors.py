@@ -49,3 +49,14 @@ class InvalidNameError(CkptStoreError, ValueError):
 
 class UnsupportedTypeError(CkptStoreError, TypeError):
     """A value in the state cannot be stored; the message names its key path."""
+
+
+class RepositoryNotFoundError(CkptStoreError, FileNotFoundError):
+    """The location holds no ckptstore repository (and create=False was asked)."""
+
+
+class KeyMismatchError(CkptStoreError, KeyError):
+    """Requested keys are not in the checkpoint, or an `into=` destination does not fit."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "key mismatch"

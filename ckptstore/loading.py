@@ -1,0 +1,143 @@
+"""Turning a manifest back into a state: choose the tensors, allocate (or adopt, for `into=`)
+their destinations, read them in parallel, rebuild the tree."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from . import tree as tree_mod
+from .errors import KeyMismatchError
+from .manifest import Manifest, TensorEntry
+from .reader import CheckpointReader, ReadTarget
+
+Finish = Callable[[], None] | None
+
+
+def key_filter(keys: Iterable[str] | None) -> Callable[[str], bool] | None:
+    """A predicate keeping a dotted key equal to one of `keys` or below one of them."""
+    if keys is None:
+        return None
+    wanted = list(keys)
+    if isinstance(keys, str) or not all(isinstance(k, str) for k in wanted):
+        raise TypeError("keys must be a list of dotted key strings")
+    return lambda key: any(key == k or key.startswith(k + ".") for k in wanted)
+
+
+def _numpy_new(entry: TensorEntry) -> tuple[Any, np.ndarray, Finish]:
+    arr = np.empty(entry.shape, dtype=entry.dtype.numpy_dtype)
+    return arr, arr.reshape(-1).view(np.uint8), None
+
+
+def _numpy_into(dest: np.ndarray, entry: TensorEntry) -> tuple[Any, np.ndarray, Finish]:
+    if dest.flags.c_contiguous and dest.flags.writeable and dest.dtype.isnative:
+        return dest, dest.reshape(-1).view(np.uint8), None
+    tmp = np.empty(entry.shape, dtype=entry.dtype.numpy_dtype)
+    return dest, tmp.reshape(-1).view(np.uint8), lambda: np.copyto(dest, tmp)
+
+
+def _check_numpy_dest(dest: Any, entry: TensorEntry) -> str | None:
+    if not isinstance(dest, np.ndarray):
+        return f"destination is a {type(dest).__name__}, checkpoint holds a numpy array"
+    if not entry.dtype.numpy_native or dest.dtype.name != entry.dtype.name:
+        return f"destination dtype {dest.dtype} != stored {entry.dtype.name}"
+    if tuple(dest.shape) != entry.shape:
+        return f"destination shape {dest.shape} != stored {entry.shape}"
+    if not dest.flags.writeable:
+        return "destination array is read-only"
+    return None
+
+
+def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
+               keys: Iterable[str] | None = None, strict: bool = True) -> Any:
+    """Rebuild the saved state. With `into`, tensors found in it by dotted key are filled in
+    place and returned as the same objects; with `keys`, only those subtrees are loaded."""
+    keep = key_filter(keys)
+    paths = tree_mod.leaf_paths(manifest.tree)
+    selected = [i for i in range(len(manifest.tensors))
+                if keep is None or keep(tree_mod.key_string(paths.get(i, ())))]
+    if keep is not None:
+        _check_keys_exist(manifest, keys or [], paths)
+    dests = tree_mod.flatten_arrays(into) if into is not None else {}
+    _check_into(manifest, selected, paths, dests, strict, keep)
+
+    torch_mat = None
+    values: dict[int, Any] = {}
+    targets: list[ReadTarget] = []
+    finishers: list[Callable[[], None]] = []
+    for i in selected:
+        entry = manifest.tensors[i]
+        key = tree_mod.key_string(paths.get(i, ()))
+        dest = dests.get(key)
+        if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
+            from . import torch_interop
+
+            if torch_mat is None:
+                torch_mat = torch_interop.TorchMaterializer()
+            value, buf, fin = (torch_mat.into(dest, entry) if dest is not None
+                               else torch_mat.new(entry))
+        elif entry.kind == "bytes":
+            value, buf, fin = _numpy_new(entry)
+        else:
+            value, buf, fin = _numpy_into(dest, entry) if dest is not None else _numpy_new(entry)
+        values[i] = value
+        if entry.nbytes:
+            targets.append(ReadTarget(entry, buf))
+        if fin is not None:
+            finishers.append(fin)
+    reader.read_tensors(targets)
+    for fin in finishers:
+        fin()
+    for i in selected:
+        if manifest.tensors[i].kind == "bytes":
+            values[i] = values[i].tobytes()
+    result = tree_mod.decode(manifest.tree, values.__getitem__, keep)
+    return {} if result is tree_mod._DROP else result
+
+
+def _check_keys_exist(manifest: Manifest, keys: Iterable[str], paths: dict) -> None:
+    """Every requested key must name something in the checkpoint (a leaf or a subtree)."""
+    all_keys = _all_leaf_keys(manifest.tree)
+    missing = [k for k in keys if not any(a == k or a.startswith(k + ".") for a in all_keys)]
+    if missing:
+        raise KeyMismatchError(f"checkpoint {manifest.name!r} has no key(s) {missing[:10]}")
+
+
+def _all_leaf_keys(node: Any, path: tuple = ()) -> list[str]:
+    kind, value = next(iter(node.items()))
+    if kind in ("dict", "odict"):
+        return [k for (_t, key), child in value for k in _all_leaf_keys(child, (*path, key))]
+    if kind in ("list", "tuple"):
+        return [k for i, child in enumerate(value) for k in _all_leaf_keys(child, (*path, i))]
+    return [tree_mod.key_string(path)]
+
+
+def _check_into(manifest: Manifest, selected: list[int], paths: dict, dests: dict[str, Any],
+                strict: bool, keep: Callable[[str], bool] | None) -> None:
+    problems = []
+    stored_keys = set()
+    for i in selected:
+        entry = manifest.tensors[i]
+        key = tree_mod.key_string(paths.get(i, ()))
+        stored_keys.add(key)
+        dest = dests.get(key)
+        if dest is None:
+            continue
+        if isinstance(dest, np.ndarray):
+            why = _check_numpy_dest(dest, entry)
+        else:
+            from . import torch_interop
+
+            why = torch_interop.check_destination(dest, entry)
+        if why:
+            problems.append(f"{key}: {why}")
+    if strict:
+        absent = sorted(k for k in dests if (keep is None or keep(k)) and k not in stored_keys)
+        if absent:
+            problems.append(f"not in the checkpoint: {absent[:10]}"
+                            + (f" and {len(absent) - 10} more" if len(absent) > 10 else ""))
+    if problems:
+        raise KeyMismatchError(f"cannot load {manifest.name!r} into the given state: "
+                               + "; ".join(problems[:10]))

@@ -1,0 +1,195 @@
+"""Verification and garbage collection over a repository's store.
+
+GC safety (docs/format.md): a blob is deleted only if no manifest references it and it is older
+than the grace period; manifests are listed before the blobs and again just before deleting,
+so a checkpoint committed meanwhile keeps its blobs, and a save in flight writes its new blobs
+with fresh modification times that the grace period protects. A manifest that cannot be parsed
+stops gc: nothing is deleted when what it references is unknown.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .errors import CkptStoreError, IntegrityError, ObjectNotFoundError, StoreError
+from .hashing import blob_key, digest, is_digest
+from .manifest import ChunkRef, Manifest, TensorEntry
+
+if TYPE_CHECKING:
+    from .repository import CheckpointStore
+
+BLOB_PREFIX = "blobs/"
+
+
+@dataclass(frozen=True)
+class BlobProblem:
+    """A bad or missing blob and what it breaks."""
+
+    blob: str
+    problem: str  # "missing" | "corrupt" | "unreadable"
+    detail: str
+    checkpoints: tuple[str, ...]
+    keys: tuple[str, ...]
+
+
+@dataclass
+class VerifyReport:
+    checkpoints: list[str]
+    blobs_checked: int = 0
+    bytes_checked: int = 0
+    seconds: float = 0.0
+    problems: list[BlobProblem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_if_bad(self) -> None:
+        if self.problems:
+            p = self.problems[0]
+            raise IntegrityError(f"{len(self.problems)} bad blob(s); first: {p.blob} "
+                                 f"({p.problem}: {p.detail}) used by {list(p.keys)[:5]}")
+
+
+def _check_blob(repo: CheckpointStore, blob: str,
+                uses: list[tuple[str, TensorEntry, ChunkRef]]) -> tuple[int, str, str] | None:
+    """Read a whole blob, check its digest and every chunk that lives in it. Returns None if
+    good, else (bytes read, problem, detail)."""
+    try:
+        data = repo.store.get(blob_key(blob))
+    except ObjectNotFoundError:
+        return (0, "missing", "blob does not exist")
+    except StoreError as exc:
+        return (0, "unreadable", str(exc))
+    if digest(data) != blob:
+        return (len(data), "corrupt", "content does not match its digest")
+    view = memoryview(data)
+    for _name, entry, chunk in uses:
+        part = view[chunk.offset : chunk.offset + chunk.size]
+        if len(part) != chunk.size:
+            return (len(data), "corrupt", f"shorter than chunk of {entry.key!r} needs")
+        if entry.codec is None:
+            if digest(part) != chunk.digest:
+                return (len(data), "corrupt", f"chunk of {entry.key!r} does not match")
+            continue
+        out = bytearray(chunk.nbytes)
+        try:
+            entry.codec.decode_into(part, memoryview(out), entry.dtype.itemsize, entry.key)
+        except IntegrityError as exc:
+            return (len(data), "corrupt", str(exc))
+        if digest(out) != chunk.digest:
+            return (len(data), "corrupt", f"decoded chunk of {entry.key!r} does not match")
+    return None
+
+
+def verify(repo: CheckpointStore, manifests: list[Manifest], sample: float = 1.0,
+           workers: int = 8, progress=None) -> VerifyReport:
+    """Check every blob the manifests reference (or a random `sample` fraction)."""
+    if not 0 < sample <= 1:
+        raise ValueError("sample must be in (0, 1]")
+    t0 = time.perf_counter()
+    uses: dict[str, list[tuple[str, TensorEntry, ChunkRef]]] = defaultdict(list)
+    for m in manifests:
+        for t in m.tensors:
+            for c in t.chunks:
+                uses[c.blob].append((m.name, t, c))
+    blobs = sorted(uses)
+    if sample < 1:
+        blobs = random.sample(blobs, max(1, round(len(blobs) * sample))) if blobs else []
+    report = VerifyReport([m.name for m in manifests])
+    with cf.ThreadPoolExecutor(workers) as pool:
+        futures = {pool.submit(_check_blob, repo, b, uses[b]): b for b in blobs}
+        for fut in cf.as_completed(futures):
+            blob = futures[fut]
+            result = fut.result()
+            report.blobs_checked += 1
+            if progress is not None:
+                progress(1)
+            size = sum(c.size for _n, _t, c in uses[blob])
+            if result is None:
+                report.bytes_checked += size
+                continue
+            report.bytes_checked += result[0]
+            names = tuple(sorted({n for n, _t, _c in uses[blob]}))
+            keys = tuple(sorted({t.key for _n, t, _c in uses[blob]}))
+            report.problems.append(BlobProblem(blob, result[1], result[2], names, keys))
+    report.problems.sort(key=lambda p: p.blob)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+@dataclass
+class GcReport:
+    dry_run: bool
+    referenced_blobs: int = 0
+    deleted_blobs: int = 0
+    freed_bytes: int = 0
+    kept_young_blobs: int = 0  # unreferenced but inside the grace period
+    deleted_temp_files: int = 0
+    seconds: float = 0.0
+    deleted: list[str] = field(default_factory=list)
+
+
+def referenced_blobs(repo: CheckpointStore) -> set[str]:
+    """Every blob referenced by any committed manifest. Raises if a manifest is unreadable."""
+    refs: set[str] = set()
+    for name in repo.names():
+        try:
+            m = repo.manifest(name)
+        except CkptStoreError as exc:
+            if isinstance(exc, FileNotFoundError):
+                continue  # deleted meanwhile: its blobs may go
+            raise CkptStoreError(f"gc stopped, nothing deleted: {exc}") from exc
+        refs |= m.blob_digests()
+    return refs
+
+
+def gc(repo: CheckpointStore, grace_seconds: float = 3600.0, dry_run: bool = False,
+       now: float | None = None) -> GcReport:
+    """Delete unreferenced blobs older than `grace_seconds` (see the module docstring)."""
+    if grace_seconds < 0:
+        raise ValueError("grace period must be >= 0")
+    t0 = time.perf_counter()
+    report = GcReport(dry_run=dry_run)
+    refs = referenced_blobs(repo)
+    listed = list(repo.store.list(BLOB_PREFIX))
+    cutoff = (time.time() if now is None else now) - grace_seconds
+    candidates = []
+    for info in listed:
+        name = info.key.rsplit("/", 1)[-1]
+        if not is_digest(name) or info.key != blob_key(name):
+            continue  # not ours: leave it alone
+        if name in refs:
+            continue
+        if info.mtime > cutoff:
+            report.kept_young_blobs += 1
+            continue
+        candidates.append(info)
+    refs |= referenced_blobs(repo)  # second look: checkpoints committed while we listed
+    report.referenced_blobs = len(refs)
+    for info in candidates:
+        name = info.key.rsplit("/", 1)[-1]
+        if name in refs:
+            continue
+        if not dry_run:
+            repo.store.delete(info.key)
+        report.deleted_blobs += 1
+        report.freed_bytes += info.size
+        report.deleted.append(name)
+    temp_files = getattr(repo.store, "temp_files", None)
+    if temp_files is not None:
+        for info in list(temp_files()):
+            if info.mtime <= cutoff:
+                if not dry_run:
+                    repo.store.delete_temp(info.key)  # type: ignore[attr-defined]
+                report.deleted_temp_files += 1
+                report.freed_bytes += info.size
+    if not dry_run:
+        repo.store.sync()
+    report.seconds = time.perf_counter() - t0
+    return report

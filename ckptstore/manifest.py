@@ -1,0 +1,393 @@
+"""Manifests: the commit record of one checkpoint, as canonical JSON (docs/format.md).
+
+`Manifest.to_bytes` writes it; `parse_manifest` reads untrusted bytes and either returns a fully
+validated Manifest or raises FormatError naming the first thing wrong. Every tensor entry is a
+zarr v3 array metadata document whose `attributes["ckptstore"]` holds what ckptstore needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .codecs import Codec, parse_codec
+from .dtypes import DType, by_name
+from .errors import FormatError
+from .hashing import HASH_NAME, check_digest
+from .names import validate_name
+
+FORMAT_NAME = "ckptstore.manifest"
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_TREE_DEPTH = 256
+MAX_DIMS = 64
+#: No chunk may declare more raw bytes than this (bounds any single allocation on read).
+MAX_CHUNK_BYTES = 1 << 34
+TENSOR_KINDS = ("torch", "numpy", "bytes")
+
+
+def canonical_json(doc: Any) -> bytes:
+    """Sorted keys, no spaces, UTF-8, no NaN: equal documents give equal bytes."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Where one row block's bytes live: `size` stored bytes at `offset` in blob `blob`, which
+    decode to `nbytes` raw bytes whose digest is `digest`."""
+
+    blob: str
+    offset: int
+    size: int
+    nbytes: int
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"blob": self.blob, "offset": self.offset, "size": self.size,
+                "nbytes": self.nbytes, "digest": self.digest}
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """Tensors sharing one torch storage: the view's element offset and strides into a storage
+    of `nbytes` bytes identified by `id` within the manifest."""
+
+    id: int
+    nbytes: int
+    offset: int
+    stride: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "nbytes": self.nbytes, "offset": self.offset,
+                "stride": list(self.stride)}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One stored array. `chunk_rows` rows of dim 0 per chunk (0-d arrays: one chunk)."""
+
+    key: str
+    kind: str
+    dtype: DType
+    shape: tuple[int, ...]
+    chunk_rows: int
+    codec: Codec | None
+    chunks: tuple[ChunkRef, ...]
+    requires_grad: bool = False
+    parameter: bool = False
+    storage: StorageRef | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+    def chunk_count(self) -> int:
+        return expected_chunk_count(self.shape, self.chunk_rows, self.dtype.itemsize)
+
+    def chunk_rows_range(self, index: int) -> tuple[int, int]:
+        """Rows [start, stop) of dim 0 held by chunk `index` (0-d: (0, 1))."""
+        if not self.shape:
+            return (0, 1)
+        start = index * self.chunk_rows
+        return (start, min(self.shape[0], start + self.chunk_rows))
+
+    def zarr_chunk_shape(self) -> list[int]:
+        if not self.shape:
+            return []
+        return [max(1, self.chunk_rows)] + [max(1, d) for d in self.shape[1:]]
+
+    def to_json(self) -> dict[str, Any]:
+        """Zarr v3 array metadata carrying ckptstore's fields in attributes."""
+        itemsize = self.dtype.itemsize
+        bytes_codec: dict[str, Any] = {"name": "bytes"}
+        if itemsize > 1:
+            bytes_codec["configuration"] = {"endian": "little"}
+        codecs = [bytes_codec]
+        if self.codec is not None:
+            codecs.append(self.codec.zarr_codec(itemsize))
+        kind = self.dtype.numpy_dtype.kind
+        fill: Any = False if kind == "b" else ([0.0, 0.0] if kind == "c" else 0)
+        attrs: dict[str, Any] = {
+            "key": self.key, "kind": self.kind, "dtype": self.dtype.name,
+            "chunk_rows": self.chunk_rows,
+            "codec": None if self.codec is None else self.codec.to_json(),
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+        if self.kind == "torch":
+            attrs["requires_grad"] = self.requires_grad
+            attrs["parameter"] = self.parameter
+        if self.storage is not None:
+            attrs["storage"] = self.storage.to_json()
+        return {
+            "zarr_format": 3, "node_type": "array", "shape": list(self.shape),
+            "data_type": self.dtype.zarr_data_type,
+            "chunk_grid": {"name": "regular",
+                           "configuration": {"chunk_shape": self.zarr_chunk_shape()}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": fill, "codecs": codecs, "attributes": {"ckptstore": attrs},
+        }
+
+
+def expected_chunk_count(shape: tuple[int, ...], chunk_rows: int, itemsize: int) -> int:
+    if not shape:
+        return 1
+    if math.prod(shape) * itemsize == 0:
+        return 0
+    return -(-shape[0] // chunk_rows)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed checkpoint. `tree` is the typed state tree (see tree.py); tensor leaves point
+    into `tensors` by index."""
+
+    name: str
+    created: float  # POSIX seconds, UTC
+    metadata: dict[str, Any]
+    tree: Any
+    tensors: tuple[TensorEntry, ...]
+    parent: str | None = None
+    version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def blob_digests(self) -> set[str]:
+        return {c.blob for t in self.tensors for c in t.chunks}
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME, "version": self.version, "hash": HASH_NAME,
+            "name": self.name, "created": self.created, "parent": self.parent,
+            "metadata": self.metadata, "tree": self.tree,
+            "tensors": [t.to_json() for t in self.tensors],
+        }
+        return canonical_json(doc)
+
+
+# ---------------------------------------------------------------- parsing untrusted bytes
+def _fail(where: str, what: str) -> FormatError:
+    return FormatError(f"{where}: {what}")
+
+
+def _int(value: Any, where: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise _fail(where, f"expected an integer in [{lo}, {hi}], got {value!r:.80}")
+    return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    if type(value) is not bool:
+        raise _fail(where, f"expected true/false, got {value!r:.80}")
+    return value
+
+
+def _dict(value: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+    if not isinstance(value, dict):
+        raise _fail(where, f"expected an object, got {type(value).__name__}")
+    missing = required - value.keys()
+    if missing:
+        raise _fail(where, f"missing field(s) {sorted(missing)}")
+    unknown = value.keys() - required - optional
+    if unknown:
+        raise _fail(where, f"unknown field(s) {sorted(unknown)[:5]}")
+    return value
+
+
+def _list(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise _fail(where, f"expected a list, got {type(value).__name__}")
+    return value
+
+
+def _parse_chunk(doc: Any, where: str) -> ChunkRef:
+    d = _dict(doc, where, {"blob", "offset", "size", "nbytes", "digest"})
+    return ChunkRef(
+        blob=check_digest(d["blob"], f"{where}.blob"),
+        offset=_int(d["offset"], f"{where}.offset"),
+        size=_int(d["size"], f"{where}.size", 0, 2 * MAX_CHUNK_BYTES),
+        nbytes=_int(d["nbytes"], f"{where}.nbytes", 0, MAX_CHUNK_BYTES),
+        digest=check_digest(d["digest"], f"{where}.digest"),
+    )
+
+
+def _parse_tensor(doc: Any, index: int) -> TensorEntry:
+    where = f"tensors[{index}]"
+    d = _dict(doc, where, {"zarr_format", "node_type", "shape", "data_type", "chunk_grid",
+                           "chunk_key_encoding", "fill_value", "codecs", "attributes"})
+    if d["zarr_format"] != 3 or d["node_type"] != "array":
+        raise _fail(where, "not zarr v3 array metadata")
+    attrs = _dict(d["attributes"], f"{where}.attributes", {"ckptstore"})
+    a = _dict(attrs["ckptstore"], f"{where}.attributes.ckptstore",
+              {"key", "kind", "dtype", "chunk_rows", "codec", "chunks"},
+              {"requires_grad", "parameter", "storage"})
+    if not isinstance(a["key"], str):
+        raise _fail(where, "key must be a string")
+    where = f"tensor {a['key']!r:.200}"
+    if a["kind"] not in TENSOR_KINDS:
+        raise _fail(where, f"unknown kind {a['kind']!r:.40}")
+    dtype = by_name(a["dtype"])
+    if d["data_type"] != dtype.zarr_data_type:
+        raise _fail(where, f"data_type {d['data_type']!r:.40} does not match dtype {dtype.name}")
+    shape_doc = _list(d["shape"], f"{where}.shape")
+    if len(shape_doc) > MAX_DIMS:
+        raise _fail(where, f"more than {MAX_DIMS} dimensions")
+    shape = tuple(_int(s, f"{where}.shape") for s in shape_doc)
+    nbytes = math.prod(shape) * dtype.itemsize
+    chunk_rows = _int(a["chunk_rows"], f"{where}.chunk_rows", 1 if shape else 0)
+    codec = parse_codec(a["codec"])
+    chunks = tuple(_parse_chunk(c, f"{where}.chunks[{i}]")
+                   for i, c in enumerate(_list(a["chunks"], f"{where}.chunks")))
+    storage = None
+    if "storage" in a:
+        s = _dict(a["storage"], f"{where}.storage", {"id", "nbytes", "offset", "stride"})
+        stride = tuple(_int(x, f"{where}.storage.stride") for x in _list(s["stride"], where))
+        storage = StorageRef(_int(s["id"], where), _int(s["nbytes"], where),
+                             _int(s["offset"], where), stride)
+        if len(stride) != len(shape):
+            raise _fail(where, "storage stride rank differs from shape")
+        if nbytes:
+            extent = storage.offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1
+            if extent * dtype.itemsize > storage.nbytes:
+                raise _fail(where, "view reaches past the end of its storage")
+    entry = TensorEntry(
+        key=a["key"], kind=a["kind"], dtype=dtype, shape=shape, chunk_rows=chunk_rows,
+        codec=codec, chunks=chunks,
+        requires_grad=_bool(a.get("requires_grad", False), where),
+        parameter=_bool(a.get("parameter", False), where), storage=storage,
+    )
+    if a["kind"] != "torch" and (entry.requires_grad or entry.parameter or storage):
+        raise _fail(where, "torch-only fields on a non-torch tensor")
+    if a["kind"] == "bytes" and (dtype.name != "uint8" or len(shape) != 1):
+        raise _fail(where, "bytes must be 1-d uint8")
+    if len(chunks) != entry.chunk_count():
+        raise _fail(where, f"{len(chunks)} chunks listed, shape and chunk_rows give "
+                           f"{entry.chunk_count()}")
+    for i, c in enumerate(chunks):
+        start, stop = entry.chunk_rows_range(i)
+        want = (stop - start) * entry.row_bytes if shape else dtype.itemsize
+        if c.nbytes != want:
+            raise _fail(where, f"chunk {i} declares {c.nbytes} bytes, its rows hold {want}")
+        if codec is None and c.size != c.nbytes:
+            raise _fail(where, f"chunk {i}: stored size differs from raw size without a codec")
+        if codec is not None and (c.offset != 0 or c.size > 2 * c.nbytes + 65536):
+            raise _fail(where, f"chunk {i}: implausible compressed extent")
+    if entry.to_json() != doc:
+        raise _fail(where, "zarr metadata disagrees with the ckptstore attributes")
+    return entry
+
+
+def _check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
+    """Validate the typed state tree (forms listed in tree.py)."""
+    if depth > MAX_TREE_DEPTH:
+        raise FormatError(f"state tree nested deeper than {MAX_TREE_DEPTH}")
+    if not isinstance(node, dict) or not 1 <= len(node) <= 2:
+        raise FormatError(f"tree node must be a one-field object, got {node!r:.80}")
+    kind = next(iter(node))
+    value = node[kind]
+    if kind in ("dict", "odict"):
+        extra = set(node) - {kind, "meta"}
+        if extra or (kind == "dict" and len(node) != 1):
+            raise FormatError(f"tree node has unknown fields {sorted(extra)}")
+        for item in _list(value, "tree"):
+            if not isinstance(item, list) or len(item) != 2:
+                raise FormatError("tree dict item must be [key, node]")
+            key = item[0]
+            if not (isinstance(key, list) and len(key) == 2 and
+                    ((key[0] == "s" and isinstance(key[1], str)) or
+                     (key[0] == "i" and type(key[1]) is int))):
+                raise FormatError(f"tree dict key must be ['s', str] or ['i', int], got {key!r:.80}")
+            _check_tree(item[1], n_tensors, depth + 1)
+        if "meta" in node:
+            _check_tree(node["meta"], n_tensors, depth + 1)
+        return
+    if len(node) != 1:
+        raise FormatError(f"tree node {kind!r:.40} has extra fields")
+    if kind in ("list", "tuple"):
+        for item in _list(value, "tree"):
+            _check_tree(item, n_tensors, depth + 1)
+    elif kind == "none":
+        if value is not None:
+            raise FormatError("tree 'none' node must hold null")
+    elif kind == "bool":
+        _bool(value, "tree bool")
+    elif kind == "int":
+        if type(value) is not int:
+            raise FormatError("tree 'int' node must hold an integer")
+    elif kind == "float":
+        if not isinstance(value, str):
+            raise FormatError("tree 'float' node must hold a hex string")
+        try:
+            float.fromhex(value)
+        except (ValueError, OverflowError):
+            raise FormatError(f"tree 'float' node holds {value!r:.40}") from None
+    elif kind == "str":
+        if not isinstance(value, str):
+            raise FormatError("tree 'str' node must hold a string")
+    elif kind in ("tensor", "bytes"):
+        _int(value, f"tree {kind} index", 0, n_tensors - 1)
+    elif kind == "np_scalar":
+        if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], str)):
+            raise FormatError("tree 'np_scalar' must be [dtype, hex]")
+        dtype = by_name(value[0])
+        if not dtype.numpy_native:
+            raise FormatError(f"numpy has no scalar type {dtype.name}")
+        try:
+            raw = bytes.fromhex(value[1])
+        except ValueError:
+            raise FormatError("tree 'np_scalar' data is not hex") from None
+        if len(raw) != dtype.itemsize:
+            raise FormatError("tree 'np_scalar' data has the wrong size")
+    else:
+        raise FormatError(f"unknown tree node kind {kind!r:.40}")
+
+
+def parse_manifest(data: bytes, expected_name: str | None = None) -> Manifest:
+    """Parse and validate untrusted manifest bytes. Raises FormatError on anything wrong."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"manifest is not valid JSON: {exc}") from None
+    d = _dict(doc, "manifest", {"format", "version", "hash", "name", "created", "parent",
+                                "metadata", "tree", "tensors"})
+    if d["format"] != FORMAT_NAME:
+        raise FormatError(f"not a ckptstore manifest (format {d['format']!r:.40})")
+    if d["version"] != FORMAT_VERSION:
+        raise FormatError(f"unsupported manifest version {d['version']!r:.40}; this ckptstore "
+                          f"reads version {FORMAT_VERSION}")
+    if d["hash"] != HASH_NAME:
+        raise FormatError(f"unsupported hash {d['hash']!r:.40}")
+    try:
+        name = validate_name(d["name"])
+        parent = None if d["parent"] is None else validate_name(d["parent"])
+    except ValueError as exc:
+        raise FormatError(f"manifest: {exc}") from None
+    if expected_name is not None and name != expected_name:
+        raise FormatError(f"manifest names {name!r}, expected {expected_name!r}")
+    created = d["created"]
+    if type(created) not in (int, float) or not 0 <= created < 1e11:
+        raise FormatError(f"manifest created time {created!r:.40} is invalid")
+    if not isinstance(d["metadata"], dict):
+        raise FormatError("manifest metadata must be an object")
+    tensors = tuple(_parse_tensor(t, i) for i, t in enumerate(_list(d["tensors"], "tensors")))
+    try:
+        _check_tree(d["tree"], len(tensors))
+    except RecursionError:
+        raise FormatError("state tree nested too deeply") from None
+    return Manifest(name=name, created=float(created), metadata=d["metadata"], tree=d["tree"],
+                    tensors=tensors, parent=parent)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a manifest")

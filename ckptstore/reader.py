@@ -1,0 +1,169 @@
+"""The restore pipeline: fetch -> verify -> (decompress) -> place, over a bounded thread pool.
+
+A chunk that fills a whole blob is read straight into its destination bytes (one copy); chunks
+living in the same pack blob are fetched with one ranged read and copied out. Every chunk is
+checked against its digest before `read_tensors` returns; on an IntegrityError the destination
+buffers may hold partial data and must not be used.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .budget import ByteBudget
+from .errors import IntegrityError, ObjectNotFoundError
+from .hashing import blob_key, digest
+from .manifest import ChunkRef, TensorEntry
+from .stores.base import Store
+
+MiB = 1 << 20
+MERGE_GAP = 1 * MiB  # read across gaps up to this size instead of issuing another request
+MERGE_LIMIT = 64 * MiB  # never merge reads into one larger than this
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    workers: int = 8
+    max_inflight_bytes: int = 512 * MiB
+
+
+@dataclass(frozen=True)
+class ReadTarget:
+    """Fill `buffer` (flat, writable uint8, entry.nbytes long) with the entry's bytes."""
+
+    entry: TensorEntry
+    buffer: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Piece:
+    entry: TensorEntry
+    chunk: ChunkRef
+    dest: np.ndarray  # the destination bytes of this chunk
+
+
+class CheckpointReader:
+    """Reads and verifies chunks into caller-provided buffers."""
+
+    def __init__(self, store: Store, options: LoadOptions | None = None) -> None:
+        self.store = store
+        self.options = options or LoadOptions()
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+
+    def read_tensors(self, targets: list[ReadTarget]) -> None:
+        """Fill every target; raises IntegrityError naming tensor and blob on any bad chunk."""
+        raw_groups: dict[str, list[_Piece]] = defaultdict(list)
+        whole: list[_Piece] = []
+        for t in targets:
+            e = t.entry
+            if t.buffer.nbytes != e.nbytes:
+                raise ValueError(f"buffer for {e.key!r} has {t.buffer.nbytes} bytes, "
+                                 f"needs {e.nbytes}")
+            for i, c in enumerate(e.chunks):
+                start, stop = e.chunk_rows_range(i)
+                lo = start * e.row_bytes if e.shape else 0
+                piece = _Piece(e, c, t.buffer[lo : lo + c.nbytes])
+                if e.codec is None and (c.offset != 0 or c.blob != c.digest):
+                    raw_groups[c.blob].append(piece)  # lives inside a larger blob
+                else:
+                    whole.append(piece)
+        budget = ByteBudget(self.options.max_inflight_bytes)
+        jobs = [(self._read_whole, (p, budget)) for p in whole]
+        for blob, pieces in raw_groups.items():
+            for run in _merge_runs(pieces):
+                jobs.append((self._read_run, (blob, run, budget)))
+        jobs.sort(key=lambda j: -_job_size(j))  # big first: better load balance
+        with cf.ThreadPoolExecutor(self.options.workers, thread_name_prefix="ckpt-load") as pool:
+            futures = [pool.submit(fn, *args) for fn, args in jobs]
+            try:
+                for fut in cf.as_completed(futures):
+                    fut.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+
+    # ------------------------------------------------------------------ jobs
+    def _fetch_into(self, entry: TensorEntry, blob: str, start: int, out: memoryview) -> None:
+        try:
+            self.store.read_into(blob_key(blob), start, out)
+        except ObjectNotFoundError:
+            raise IntegrityError(f"tensor {entry.key!r}: blob {blob} is missing from "
+                                 f"{self.store.uri}") from None
+        with self._lock:
+            self.bytes_read += len(out)
+
+    def _read_whole(self, p: _Piece, budget: ByteBudget) -> None:
+        c, e = p.chunk, p.entry
+        dest = memoryview(p.dest)
+        if e.codec is None:
+            self._fetch_into(e, c.blob, c.offset, dest)
+        else:
+            with budget.hold(c.size):
+                stored = bytearray(c.size)
+                self._fetch_into(e, c.blob, 0, memoryview(stored))
+                if digest(stored) != c.blob:
+                    raise IntegrityError(f"tensor {e.key!r}: blob {c.blob} is corrupt "
+                                         "(stored bytes do not match their digest)")
+                e.codec.decode_into(stored, dest, e.dtype.itemsize,
+                                    f"tensor {e.key!r}: blob {c.blob}")
+        _check(p, dest)
+
+    def _read_run(self, blob: str, run: list[_Piece], budget: ByteBudget) -> None:
+        if len(run) == 1:
+            p = run[0]
+            self._fetch_into(p.entry, blob, p.chunk.offset, memoryview(p.dest))
+            _check(p, memoryview(p.dest))
+            return
+        lo = run[0].chunk.offset
+        hi = max(p.chunk.offset + p.chunk.size for p in run)
+        with budget.hold(hi - lo):
+            span = bytearray(hi - lo)
+            self._fetch_into(run[0].entry, blob, lo, memoryview(span))
+            for p in run:
+                a = p.chunk.offset - lo
+                part = memoryview(span)[a : a + p.chunk.size]
+                if digest(part) != p.chunk.digest:
+                    raise _bad(p)
+                p.dest[:] = np.frombuffer(part, np.uint8)
+
+
+def _check(p: _Piece, data: memoryview) -> None:
+    if digest(data) != p.chunk.digest:
+        raise _bad(p)
+
+
+def _bad(p: _Piece) -> IntegrityError:
+    return IntegrityError(f"tensor {p.entry.key!r}: blob {p.chunk.blob} is corrupt (bytes "
+                          f"{p.chunk.offset}..{p.chunk.offset + p.chunk.size} do not match "
+                          "their digest)")
+
+
+def _merge_runs(pieces: list[_Piece]) -> list[list[_Piece]]:
+    """Group ranges of one blob into runs read with one request each."""
+    pieces = sorted(pieces, key=lambda p: p.chunk.offset)
+    runs: list[list[_Piece]] = []
+    end = -1
+    start = 0
+    for p in pieces:
+        c = p.chunk
+        if runs and c.offset - end <= MERGE_GAP and c.offset + c.size - start <= MERGE_LIMIT:
+            runs[-1].append(p)
+            end = max(end, c.offset + c.size)
+        else:
+            runs.append([p])
+            start, end = c.offset, c.offset + c.size
+    return runs
+
+
+def _job_size(job: tuple) -> int:
+    fn, args = job
+    if isinstance(args[0], _Piece):
+        return args[0].chunk.size
+    return sum(p.chunk.size for p in args[1])

@@ -1,0 +1,345 @@
+"""CheckpointStore: the user-facing repository of checkpoints in one store.
+
+Layout (docs/format.md): `ckptstore.json` marker, `blobs/ab/<digest>` immutable chunks,
+`checkpoints/<name>.json` manifests. A manifest is created once, after all its blobs are
+durable, and never overwritten: a checkpoint is whole or invisible. `latest` is derived from
+the manifests, never stored.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from . import maintenance
+from .codecs import Codec, codec_option
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    FormatError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    RepositoryNotFoundError,
+    UnsupportedTypeError,
+)
+from .hashing import HASH_NAME
+from .loading import load_state
+from .manifest import Manifest, canonical_json, parse_manifest
+from .names import validate_name
+from .reader import CheckpointReader, LoadOptions
+from .staging import StagingArena
+from .stores import Store, open_store
+from .tree import TreeEncoder
+from .writer import CheckpointWriter, KnownChunks, SaveInfo, SaveOptions
+
+MARKER_KEY = "ckptstore.json"
+MANIFEST_PREFIX = "checkpoints/"
+REPO_FORMAT = "ckptstore"
+REPO_VERSION = 1
+_MARKER = {"format": REPO_FORMAT, "version": REPO_VERSION, "hash": HASH_NAME}
+LATEST = "latest"
+
+
+def manifest_key(name: str) -> str:
+    return f"{MANIFEST_PREFIX}{validate_name(name)}.json"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One listed checkpoint."""
+
+    name: str
+    created: float
+    metadata: dict[str, Any]
+    logical_bytes: int
+    tensors: int
+    parent: str | None
+
+
+class SaveHandle:
+    """A save running in the background. `wait()` returns its SaveInfo or raises its error."""
+
+    def __init__(self, future: cf.Future[SaveInfo], name: str) -> None:
+        self._future = future
+        self.name = name
+        self._observed = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveInfo:
+        self._observed = True
+        return self._future.result(timeout)
+
+    @property
+    def observed(self) -> bool:
+        """True once the caller has waited on this handle (and so seen any error)."""
+        return self._observed
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"SaveHandle({self.name!r}, {state})"
+
+
+class CheckpointStore:
+    """A repository of checkpoints in a local folder, S3 or memory.
+
+    Thread-safety: one CheckpointStore may be shared by threads for reads; saves are serialized
+    (at most one save in flight, a new one waits for the previous).
+    """
+
+    def __init__(self, uri: str | Store, *, create: bool = True, chunk_bytes: int | None = None,
+                 compression: str | Codec | None = None, workers: int = 8,
+                 max_inflight_bytes: int | None = None, **store_options: Any) -> None:
+        self.store = open_store(uri, **store_options) if not isinstance(uri, Store) else uri
+        self.uri = self.store.uri
+        defaults = SaveOptions()
+        self.save_options = SaveOptions(
+            chunk_bytes=chunk_bytes or defaults.chunk_bytes,
+            pack_threshold=min(defaults.pack_threshold, chunk_bytes or defaults.chunk_bytes),
+            compression=codec_option(compression), workers=workers,
+            max_inflight_bytes=max_inflight_bytes or defaults.max_inflight_bytes)
+        self.load_options = LoadOptions(workers=workers, max_inflight_bytes=max_inflight_bytes
+                                        or LoadOptions().max_inflight_bytes)
+        self._check_marker(create)
+        self._known = KnownChunks()
+        self._manifests: dict[str, Manifest] = {}
+        self._cache_lock = threading.Lock()
+        self._save_lock = threading.Lock()
+        self._arena = StagingArena()
+        self._bg = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-async")
+        self._pending: SaveHandle | None = None
+
+    # ------------------------------------------------------------------ marker
+    def _check_marker(self, create: bool) -> None:
+        try:
+            raw = self.store.get(MARKER_KEY)
+        except ObjectNotFoundError:
+            if not create:
+                raise RepositoryNotFoundError(
+                    f"no ckptstore repository at {self.uri} (missing {MARKER_KEY})") from None
+            try:
+                self.store.create(MARKER_KEY, canonical_json(_MARKER))
+                return
+            except ObjectExistsError:
+                raw = self.store.get(MARKER_KEY)
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise FormatError(f"{self.uri}/{MARKER_KEY} is not valid JSON") from None
+        if not isinstance(doc, dict) or doc.get("format") != REPO_FORMAT:
+            raise FormatError(f"{self.uri}/{MARKER_KEY} is not a ckptstore marker")
+        if doc.get("version") != REPO_VERSION:
+            raise FormatError(f"repository {self.uri} has format version {doc.get('version')!r};"
+                              f" this ckptstore reads version {REPO_VERSION}")
+        if doc.get("hash") != HASH_NAME:
+            raise FormatError(f"repository {self.uri} uses hash {doc.get('hash')!r}")
+
+    # ------------------------------------------------------------------ manifests
+    def manifest(self, name: str) -> Manifest:
+        """The parsed, validated manifest of a checkpoint (cached: manifests are immutable)."""
+        if name == LATEST:
+            latest = self.latest()
+            if latest is None:
+                raise CheckpointNotFoundError(f"no checkpoints in {self.uri}")
+            name = latest
+        key = manifest_key(name)
+        with self._cache_lock:
+            cached = self._manifests.get(name)
+        if cached is not None:
+            return cached
+        try:
+            raw = self.store.get(key)
+        except ObjectNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.uri}") from None
+        try:
+            manifest = parse_manifest(raw, expected_name=name)
+        except FormatError as exc:
+            raise FormatError(f"checkpoint {name!r} in {self.uri}: {exc}") from None
+        with self._cache_lock:
+            self._manifests[name] = manifest
+        return manifest
+
+    def names(self) -> list[str]:
+        """Names of the committed checkpoints, unordered (one listing, no manifest reads)."""
+        out = []
+        for info in self.store.list(MANIFEST_PREFIX):
+            rest = info.key[len(MANIFEST_PREFIX):]
+            if rest.endswith(".json") and "/" not in rest:
+                out.append(rest[: -len(".json")])
+        return out
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every committed checkpoint, oldest first (by creation time, then name)."""
+        names = self.names()
+        with cf.ThreadPoolExecutor(8) as pool:
+            manifests = list(pool.map(self._manifest_or_none, names))
+        infos = [CheckpointInfo(m.name, m.created, m.metadata, m.logical_bytes,
+                                len(m.tensors), m.parent) for m in manifests if m is not None]
+        return sorted(infos, key=lambda i: (i.created, i.name))
+
+    def _manifest_or_none(self, name: str) -> Manifest | None:
+        try:
+            return self.manifest(name)
+        except CheckpointNotFoundError:  # deleted between listing and reading
+            return None
+
+    def latest(self) -> str | None:
+        """Name of the newest checkpoint, or None if there is none."""
+        infos = self.list()
+        return infos[-1].name if infos else None
+
+    def exists(self, name: str) -> bool:
+        return self.store.exists(manifest_key(name))
+
+    def delete(self, name: str) -> None:
+        """Remove a checkpoint (its manifest). Its blobs stay until `gc`."""
+        key = manifest_key(name)
+        if not self.store.exists(key):
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.uri}")
+        self.store.delete(key)
+        self.store.sync()
+        with self._cache_lock:
+            self._manifests.pop(name, None)
+
+    # ------------------------------------------------------------------ save
+    def _prepare(self, name: str, state: Any, metadata: dict[str, Any] | None,
+                 parent: str | None) -> tuple[Any, list, dict[str, Any], str | None]:
+        validate_name(name)
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            raise UnsupportedTypeError("metadata must be a dict of JSON values")
+        try:
+            metadata = json.loads(canonical_json(metadata))
+        except (TypeError, ValueError) as exc:
+            raise UnsupportedTypeError(f"metadata must be JSON-serializable: {exc}") from None
+        if self.store.exists(manifest_key(name)):
+            raise CheckpointExistsError(f"checkpoint {name!r} already exists in {self.uri}; it "
+                                        "was not touched")
+        encoder = TreeEncoder()
+        tree = encoder.encode(state)
+        parent_name = self.latest() if parent == LATEST else parent
+        if parent_name is not None:
+            self._known.add_manifest(self.manifest(parent_name))
+        return tree, encoder.leaves, metadata, parent_name
+
+    def _options(self, compression: str | Codec | None | type[...]) -> SaveOptions:
+        if compression is ...:
+            return self.save_options
+        from dataclasses import replace
+
+        return replace(self.save_options, compression=codec_option(compression))  # type: ignore[arg-type]
+
+    def _write(self, name: str, tree: Any, leaves: list, metadata: dict[str, Any],
+               parent: str | None, options: SaveOptions, t0: float, blocked: float) -> SaveInfo:
+        writer = CheckpointWriter(self.store, options, self._known)
+        manifest = writer.write(name, tree, leaves, metadata, parent, manifest_key(name))
+        with self._cache_lock:
+            self._manifests[name] = manifest
+        s = writer.stats
+        return SaveInfo(name=name, tensors=len(leaves), logical_bytes=manifest.logical_bytes,
+                        written_bytes=s.written, reused_bytes=s.reused,
+                        chunks_written=s.chunks_written, chunks_reused=s.chunks_reused,
+                        seconds=time.perf_counter() - t0,
+                        blocked_seconds=blocked if blocked >= 0 else time.perf_counter() - t0,
+                        stage_seconds=dict(s.seconds), peak_extra_bytes=writer.budget.peak)
+
+    def _wait_pending(self) -> None:
+        """Wait for the save in flight; re-raise its error if nobody has seen it yet."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        seen = pending.observed
+        try:
+            pending.wait()
+        except BaseException:
+            if not seen:
+                raise
+
+    def save(self, name: str, state: Any, metadata: dict[str, Any] | None = None, *,
+             parent: str | None = LATEST, compression: Any = ...) -> SaveInfo:
+        """Save `state` as checkpoint `name` and commit it; returns when it is durable.
+
+        Chunks already in the store (known from `parent`, default the latest checkpoint, and
+        from this object's earlier saves) are not written again. Raises CheckpointExistsError
+        if `name` exists, TypeError (UnsupportedTypeError) naming the key path of a value that
+        cannot be stored."""
+        t0 = time.perf_counter()
+        with self._save_lock:
+            self._wait_pending()
+            tree, leaves, metadata, parent = self._prepare(name, state, metadata, parent)
+            return self._write(name, tree, leaves, metadata, parent, self._options(compression),
+                               t0, -1.0)
+
+    def save_async(self, name: str, state: Any, metadata: dict[str, Any] | None = None, *,
+                   parent: str | None = LATEST, compression: Any = ...) -> SaveHandle:
+        """Stage `state` (copy its arrays) and return; the write and commit run in the
+        background. The caller may change its tensors as soon as this returns: the checkpoint
+        holds their values at call time. One save is in flight at a time: this first waits for
+        the previous one, and raises its error if it failed and `wait()` never reported it."""
+        t0 = time.perf_counter()
+        with self._save_lock:
+            self._wait_pending()
+            tree, leaves, metadata, parent = self._prepare(name, state, metadata, parent)
+            staged = self._arena.stage(leaves)
+            blocked = time.perf_counter() - t0
+            options = self._options(compression)
+            future = self._bg.submit(self._write, name, tree, staged, metadata, parent, options,
+                                     t0, blocked)
+            handle = SaveHandle(future, name)
+            self._pending = handle
+            return handle
+
+    def wait(self) -> None:
+        """Wait for any save in flight; raise its error if it failed unobserved."""
+        with self._save_lock:
+            self._wait_pending()
+
+    # ------------------------------------------------------------------ load
+    def load(self, name: str = LATEST, *, into: Any = None, keys: Iterable[str] | None = None,
+             strict: bool = True) -> Any:
+        """Restore a checkpoint. Returns a new nested state of the saved types; with `into`,
+        tensors at the same dotted keys are filled in place (same objects returned) and
+        `strict` requires every tensor of `into` to be in the checkpoint; with `keys`, only
+        those keys or subtrees are read. Every byte is verified (IntegrityError names the
+        tensor and blob); on an error, `into` tensors may be partly overwritten."""
+        manifest = self.manifest(name)
+        reader = CheckpointReader(self.store, self.load_options)
+        return load_state(reader, manifest, into=into, keys=keys, strict=strict)
+
+    # ------------------------------------------------------------------ maintenance
+    def verify(self, name: str = LATEST, *, sample: float = 1.0) -> maintenance.VerifyReport:
+        """Re-read and re-hash every blob the checkpoint references (or a random `sample`
+        fraction of them). Returns a report; `report.ok` is False on any bad or missing blob."""
+        return maintenance.verify(self, [self.manifest(name)], sample=sample)
+
+    def gc(self, grace_seconds: float = 3600.0, dry_run: bool = False) -> maintenance.GcReport:
+        """Delete blobs no manifest references that are older than `grace_seconds`."""
+        return maintenance.gc(self, grace_seconds=grace_seconds, dry_run=dry_run)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Wait for any save in flight, then release the store."""
+        try:
+            self.wait()
+        finally:
+            self._bg.shutdown(wait=True)
+            self.store.close()
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.uri!r})"

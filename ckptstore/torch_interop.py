@@ -1,0 +1,145 @@
+"""Everything that touches torch: tensors to raw byte views and back. The only module of the core
+that imports torch; it is imported lazily, the first time a torch object is met."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import dtypes
+from .errors import UnsupportedTypeError
+from .manifest import TensorEntry
+from .tree import ArrayLeaf
+
+# torch dtypes numpy lacks are viewed as unsigned ints of the same width
+_BITS_VIEW = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise UnsupportedTypeError(f"this torch build has no dtype {name}")
+    return dt
+
+
+def dtype_name(dt: torch.dtype) -> str | None:
+    name = str(dt).removeprefix("torch.")
+    return name if name in dtypes.DTYPES else None
+
+
+def raw_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view (no copy) of a CPU tensor's element bits, same shape and strides."""
+    name = dtype_name(t.dtype)
+    assert name is not None
+    if not dtypes.DTYPES[name].numpy_native:
+        t = t.view(_BITS_VIEW[t.element_size()])
+    return t.numpy()
+
+
+def tensor_leaf(t: Any, key: str) -> ArrayLeaf:
+    """Describe a tensor for saving. The leaf views the tensor's memory when it is on the CPU;
+    other devices are copied to the CPU here."""
+    if not isinstance(t, torch.Tensor):
+        raise UnsupportedTypeError(f"{key}: cannot store {type(t).__module__}.{type(t).__qualname__}")
+    if t.layout != torch.strided or t.is_quantized or t.is_meta:
+        raise UnsupportedTypeError(f"{key}: only dense strided tensors can be stored "
+                                   f"(got layout {t.layout}, quantized={t.is_quantized})")
+    name = dtype_name(t.dtype)
+    if name is None:
+        raise UnsupportedTypeError(f"{key}: tensors of dtype {t.dtype} cannot be stored")
+    parameter = isinstance(t, torch.nn.Parameter)
+    requires_grad = bool(t.requires_grad)
+    base = t.detach()
+    if base.is_conj():
+        base = base.resolve_conj()
+    if base.is_neg():
+        base = base.resolve_neg()
+    if base.device.type != "cpu":
+        base = base.cpu()
+    storage = base.untyped_storage()
+    return ArrayLeaf(
+        key=key, kind="torch", dtype=dtypes.DTYPES[name], array=raw_numpy(base),
+        requires_grad=requires_grad, parameter=parameter,
+        storage_identity=(storage.data_ptr(), storage.nbytes()) if base.numel() else None,
+        storage_offset=base.storage_offset(), storage_stride=tuple(base.stride()),
+    )
+
+
+def byte_view(t: torch.Tensor) -> np.ndarray | None:
+    """A writable flat uint8 view of a CPU tensor's bytes if it is contiguous, else None."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    if t.numel() == 0:
+        return np.empty(0, np.uint8)
+    return raw_numpy(t.detach()).reshape(-1).view(np.uint8)
+
+
+class TorchMaterializer:
+    """Creates torch tensors for one load, rebuilding shared storages (tied weights)."""
+
+    def __init__(self) -> None:
+        self._storages: dict[int, torch.UntypedStorage] = {}
+
+    def new(self, entry: TensorEntry) -> tuple[Any, np.ndarray, Any]:
+        """Return (tensor, flat uint8 buffer to fill, finish callback or None)."""
+        dt = _torch_dtype(entry.dtype.name)
+        if entry.storage is not None:
+            ref = entry.storage
+            storage = self._storages.get(ref.id)
+            if storage is None:
+                storage = torch.UntypedStorage(ref.nbytes)
+                self._storages[ref.id] = storage
+            t = torch.empty(0, dtype=dt)
+            t.set_(storage, ref.offset, entry.shape, ref.stride)
+        else:
+            t = torch.empty(entry.shape, dtype=dt)
+        view = byte_view(t)
+        finish = None
+        if view is None:  # a strided view into a shared storage: fill a temp, then copy
+            tmp = torch.empty(entry.shape, dtype=dt)
+            view = byte_view(tmp)
+            assert view is not None
+
+            def finish(t: torch.Tensor = t, tmp: torch.Tensor = tmp) -> None:
+                t.copy_(tmp)
+        return self.wrap(t, entry), view, finish
+
+    @staticmethod
+    def wrap(t: torch.Tensor, entry: TensorEntry) -> Any:
+        if entry.parameter:
+            return torch.nn.Parameter(t, requires_grad=entry.requires_grad)
+        if entry.requires_grad and t.is_floating_point():
+            t.requires_grad_(True)
+        return t
+
+    @staticmethod
+    def into(dest: Any, entry: TensorEntry) -> tuple[Any, np.ndarray, Any]:
+        """Fill an existing tensor in place (no grad tracking); a temp buffer is used only when
+        the destination is not a contiguous CPU tensor."""
+        dt = _torch_dtype(entry.dtype.name)
+        target = dest.detach()
+        view = byte_view(target)
+        if view is not None:
+            return dest, view, None
+        tmp = torch.empty(entry.shape, dtype=dt)
+        tmp_view = byte_view(tmp)
+        assert tmp_view is not None
+
+        def finish() -> None:
+            with torch.no_grad():
+                target.copy_(tmp)
+        return dest, tmp_view, finish
+
+
+def check_destination(dest: Any, entry: TensorEntry) -> str | None:
+    """Why `dest` cannot receive `entry` in place, or None if it can."""
+    if not isinstance(dest, torch.Tensor):
+        return f"destination is a {type(dest).__name__}, checkpoint holds a torch tensor"
+    name = dtype_name(dest.dtype)
+    if name != entry.dtype.name:
+        return f"destination dtype {dest.dtype} != stored {entry.dtype.name}"
+    if tuple(dest.shape) != entry.shape:
+        return f"destination shape {tuple(dest.shape)} != stored {entry.shape}"
+    return None

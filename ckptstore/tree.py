@@ -1,0 +1,239 @@
+"""The typed state tree: turning a nested state into JSON nodes plus a list of array leaves, and
+back. No pickle: only the forms below exist, everything else is refused with the key path.
+
+Node forms (each a one-field JSON object):
+  {"dict": [[key, node], ...]}        key = ["s", str] or ["i", int]
+  {"odict": [...], "meta": node?}     collections.OrderedDict; "meta" = its `_metadata` attribute
+  {"list": [node, ...]}  {"tuple": [node, ...]}
+  {"none": null} {"bool": b} {"int": i} {"float": "<float.hex()>"} {"str": s}
+  {"np_scalar": [dtype, "<hex bytes>"]}
+  {"tensor": i} {"bytes": i}          index into the manifest's tensors (same index twice =
+                                      the same object twice)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .dtypes import DType
+from .errors import UnsupportedTypeError
+
+Path = tuple[str | int, ...]
+
+
+@dataclass
+class ArrayLeaf:
+    """An array to store. `array` holds the raw element bits in `dtype.storage` (little-endian),
+    with the leaf's logical shape and any strides; it is a view of the caller's memory."""
+
+    key: str
+    kind: str  # "torch" | "numpy" | "bytes"
+    dtype: DType
+    array: np.ndarray
+    requires_grad: bool = False
+    parameter: bool = False
+    storage_identity: tuple[int, int] | None = None  # (storage address, storage bytes): torch
+    storage_offset: int = 0  # elements
+    storage_stride: tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+
+def key_string(path: Path) -> str:
+    """Dotted key of a path: ('model', 'w') -> 'model.w'; ('state', 0) -> 'state.0'."""
+    return ".".join(str(p) for p in path)
+
+
+def _is_torch(obj: object) -> bool:
+    return type(obj).__module__.split(".", 1)[0] == "torch"
+
+
+class TreeEncoder:
+    """Walks one state, collecting array leaves. Use once per save."""
+
+    def __init__(self) -> None:
+        self.leaves: list[ArrayLeaf] = []
+        self._memo: dict[int, int] = {}  # id(obj) -> leaf index, for repeated objects
+        self._keepalive: list[object] = []
+
+    def encode(self, obj: Any, path: Path = ()) -> Any:
+        if len(path) > 200:
+            raise UnsupportedTypeError(f"{key_string(path)[:200]}: state nested deeper than 200")
+        if obj is None:
+            return {"none": None}
+        if isinstance(obj, np.generic):
+            return self._np_scalar(obj, path)
+        if isinstance(obj, bool):
+            return {"bool": obj}
+        if type(obj) is int:
+            return {"int": obj}
+        if type(obj) is float:
+            return {"float": obj.hex()}
+        if type(obj) is str:
+            return {"str": obj}
+        if type(obj) is bytes:
+            return {"bytes": self._array(obj, path)}
+        if isinstance(obj, np.ndarray) or _is_torch(obj):
+            return {"tensor": self._array(obj, path)}
+        if type(obj) is dict:
+            return {"dict": self._items(obj, path)}
+        if type(obj) is OrderedDict:
+            node: dict[str, Any] = {"odict": self._items(obj, path)}
+            meta = getattr(obj, "_metadata", None)
+            if meta is not None:
+                node["meta"] = self.encode(meta, (*path, "_metadata"))
+            return node
+        if type(obj) is list:
+            return {"list": [self.encode(v, (*path, i)) for i, v in enumerate(obj)]}
+        if type(obj) is tuple:
+            return {"tuple": [self.encode(v, (*path, i)) for i, v in enumerate(obj)]}
+        raise UnsupportedTypeError(
+            f"{key_string(path) or '<root>'}: cannot store a value of type "
+            f"{type(obj).__module__}.{type(obj).__qualname__} (allowed: dict, OrderedDict, list, "
+            "tuple, torch tensors, numpy arrays and scalars, None, bool, int, float, str, bytes)")
+
+    def _items(self, obj: dict, path: Path) -> list[Any]:
+        items = []
+        for k, v in obj.items():
+            if type(k) is str:
+                key: list[Any] = ["s", k]
+            elif type(k) is int:
+                key = ["i", k]
+            else:
+                raise UnsupportedTypeError(
+                    f"{key_string(path) or '<root>'}: dict key {k!r:.60} is a "
+                    f"{type(k).__name__}; only str and int keys can be stored")
+            items.append([key, self.encode(v, (*path, k))])
+        return items
+
+    def _np_scalar(self, obj: np.generic, path: Path) -> Any:
+        dt = dtypes.from_numpy(obj.dtype)
+        if dt is None:
+            raise UnsupportedTypeError(f"{key_string(path)}: numpy scalar of dtype {obj.dtype} "
+                                       "cannot be stored")
+        raw = np.asarray(obj).astype(dt.numpy_dtype).tobytes()
+        return {"np_scalar": [dt.name, raw.hex()]}
+
+    def _array(self, obj: Any, path: Path) -> int:
+        index = self._memo.get(id(obj))
+        if index is not None:
+            return index
+        key = key_string(path)
+        if isinstance(obj, bytes):
+            leaf = ArrayLeaf(key, "bytes", dtypes.DTYPES["uint8"], np.frombuffer(obj, np.uint8))
+        elif isinstance(obj, np.ndarray):
+            leaf = numpy_leaf(obj, key)
+        else:
+            from . import torch_interop  # the only module that imports torch
+
+            leaf = torch_interop.tensor_leaf(obj, key)
+        self.leaves.append(leaf)
+        self._memo[id(obj)] = len(self.leaves) - 1
+        self._keepalive.append(obj)  # ids stay unique while the encoder lives
+        return len(self.leaves) - 1
+
+
+def numpy_leaf(arr: np.ndarray, key: str) -> ArrayLeaf:
+    dt = dtypes.from_numpy(arr.dtype)
+    if dt is None:
+        raise UnsupportedTypeError(f"{key}: numpy arrays of dtype {arr.dtype} cannot be stored "
+                                   "(numeric and bool dtypes only)")
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(dt.numpy_dtype)  # stored little-endian
+    return ArrayLeaf(key, "numpy", dt, arr.view(dt.numpy_dtype) if arr.ndim else arr.reshape(()))
+
+
+# ------------------------------------------------------------------------------- decoding
+LeafLoader = Callable[[int], Any]
+
+
+def decode(node: Any, load_leaf: LeafLoader, keep: Callable[[str], bool] | None = None,
+           path: Path = ()) -> Any:
+    """Rebuild the state from a validated tree. `load_leaf(i)` returns tensor i's object.
+    With `keep`, only leaves whose dotted key passes are kept, and containers left empty by the
+    filter are dropped (returned as _DROP to the parent)."""
+    kind, value = next(iter(node.items()))
+    if kind in ("dict", "odict"):
+        out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
+        for (ktype, k), child in value:
+            v = decode(child, load_leaf, keep, (*path, k))
+            if v is not _DROP:
+                out[k] = v
+        if keep is not None and not out and value:
+            return _DROP
+        if kind == "odict" and "meta" in node and (keep is None or out):
+            out._metadata = decode(node["meta"], load_leaf, None, (*path, "_metadata"))  # type: ignore[attr-defined]
+        return out
+    if kind in ("list", "tuple"):
+        items = [decode(c, load_leaf, keep, (*path, i)) for i, c in enumerate(value)]
+        kept = [v for v in items if v is not _DROP]
+        if keep is not None and not kept and value:
+            return _DROP
+        return tuple(kept) if kind == "tuple" else kept
+    if keep is not None and not keep(key_string(path)):
+        return _DROP
+    if kind == "none":
+        return None
+    if kind in ("bool", "int", "str"):
+        return value
+    if kind == "float":
+        return float.fromhex(value)
+    if kind == "np_scalar":
+        dt = dtypes.by_name(value[0])
+        return np.frombuffer(bytes.fromhex(value[1]), dtype=dt.numpy_dtype)[0].astype(
+            dt.numpy_dtype.newbyteorder("="))[()]
+    if kind in ("tensor", "bytes"):
+        return load_leaf(value)
+    raise AssertionError(f"unvalidated tree node {kind}")
+
+
+class _Drop:
+    def __repr__(self) -> str:
+        return "<dropped>"
+
+
+_DROP: Any = _Drop()
+
+
+def leaf_paths(node: Any, path: Path = ()) -> dict[int, Path]:
+    """Tensor index -> first path it appears at (for naming errors and partial loads)."""
+    out: dict[int, Path] = {}
+    kind, value = next(iter(node.items()))
+    if kind in ("dict", "odict"):
+        for (_t, k), child in value:
+            for i, p in leaf_paths(child, (*path, k)).items():
+                out.setdefault(i, p)
+    elif kind in ("list", "tuple"):
+        for i, child in enumerate(value):
+            for j, p in leaf_paths(child, (*path, i)).items():
+                out.setdefault(j, p)
+    elif kind in ("tensor", "bytes"):
+        out[value] = path
+    return out
+
+
+def flatten_arrays(obj: Any, path: Path = ()) -> dict[str, Any]:
+    """Dotted key -> tensor/ndarray for every array leaf of a nested state (for `into=`)."""
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten_arrays(v, (*path, k)))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(flatten_arrays(v, (*path, i)))
+    elif isinstance(obj, np.ndarray) or _is_torch(obj):
+        out[key_string(path)] = obj
+    return out
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: DType) -> int:
+    return math.prod(shape) * dtype.itemsize

@@ -1,0 +1,333 @@
+"""The save pipeline: plan chunks -> (stage) -> hash -> (compress) -> write, then commit.
+
+Jobs (one per row block, one per pack of small arrays) run on a bounded thread pool; each job
+takes its bytes straight from the caller's arrays when they are contiguous, so a synchronous
+save copies nothing. Extra memory (copies of non-contiguous blocks, compressed output, pack
+buffers) is bounded by a ByteBudget. xxhash, numcodecs and file/socket I/O release the GIL.
+
+Commit order (docs/format.md): every blob is written, then `store.sync()` makes them durable,
+then the manifest is created create-only. Any failure before the commit leaves no checkpoint;
+the blobs already written are unreferenced and later reclaimed by gc.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .budget import ByteBudget
+from .codecs import Codec
+from .errors import CheckpointExistsError, ObjectExistsError
+from .hashing import blob_key, digest
+from .manifest import ChunkRef, Manifest, StorageRef, TensorEntry
+from .stores.base import Store
+from .tree import ArrayLeaf
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Tuning of one save. `chunk_bytes`: target raw size of a row block and of a pack;
+    arrays of at most `pack_threshold` bytes are packed together; `max_inflight_bytes` bounds
+    the extra memory the pipeline allocates; `workers` is the thread-pool size."""
+
+    chunk_bytes: int = 16 * MiB
+    pack_threshold: int = 256 * 1024
+    compression: Codec | None = None
+    workers: int = 8
+    max_inflight_bytes: int = 512 * MiB
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 1 or self.pack_threshold < 0 or self.workers < 1:
+            raise ValueError("chunk_bytes and workers must be positive, pack_threshold >= 0")
+        if self.pack_threshold > self.chunk_bytes:
+            raise ValueError("pack_threshold cannot exceed chunk_bytes")
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """What a save did. Bytes are raw (logical) unless named `stored`."""
+
+    name: str
+    tensors: int
+    logical_bytes: int
+    written_bytes: int  # stored bytes sent to the store by this save
+    reused_bytes: int  # logical bytes not written because the store had them already
+    chunks_written: int
+    chunks_reused: int
+    seconds: float  # wall time from call to commit
+    blocked_seconds: float  # time the caller waited (async saves: staging only)
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # summed over workers
+    peak_extra_bytes: int = 0
+
+    @property
+    def throughput(self) -> float:
+        """Logical bytes per second of wall time."""
+        return self.logical_bytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+class KnownChunks:
+    """Chunks the store is known to hold, by (raw digest, codec): from parent manifests and from
+    this process's earlier saves. Lets an incremental save skip unchanged chunks without a
+    request per chunk. A raw chunk may be referenced wherever it lives (whole blob or a range
+    of a pack); a compressed one only with the same codec settings."""
+
+    def __init__(self) -> None:
+        self._refs: dict[tuple[str, str | None], ChunkRef] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(raw_digest: str, codec: Codec | None) -> tuple[str, str | None]:
+        return (raw_digest, None if codec is None else f"{codec.id}:{codec.level}")
+
+    def add_manifest(self, manifest: Manifest) -> None:
+        for t in manifest.tensors:
+            for c in t.chunks:
+                self.add(c, t.codec)
+
+    def add(self, ref: ChunkRef, codec: Codec | None) -> None:
+        with self._lock:
+            self._refs.setdefault(self._key(ref.digest, codec), ref)
+
+    def find(self, raw_digest: str, nbytes: int, codec: Codec | None) -> ChunkRef | None:
+        with self._lock:
+            ref = self._refs.get(self._key(raw_digest, codec))
+        return ref if ref is not None and ref.nbytes == nbytes else None
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.written = 0
+        self.reused = 0
+        self.chunks_written = 0
+        self.chunks_reused = 0
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            with self.lock:
+                self.seconds[stage] += dt
+
+    def count(self, written: int = 0, reused: int = 0) -> None:
+        with self.lock:
+            self.written += written
+            self.reused += reused
+            self.chunks_written += 1 if written or not reused else 0
+            self.chunks_reused += 1 if reused else 0
+
+
+def rows_per_chunk(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> int:
+    """Rows of dim 0 per chunk: about `chunk_bytes`, at least one row, at most all rows."""
+    if not shape:
+        return 1
+    row = math.prod(shape[1:]) * itemsize
+    rows = max(1, chunk_bytes // row) if row else max(1, shape[0])
+    return max(1, min(rows, shape[0]))
+
+
+def storage_refs(leaves: list[ArrayLeaf]) -> list[StorageRef | None]:
+    """StorageRef for every torch leaf whose storage is shared with another leaf, else None."""
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, leaf in enumerate(leaves):
+        if leaf.storage_identity is not None:
+            groups[leaf.storage_identity].append(i)
+    refs: list[StorageRef | None] = [None] * len(leaves)
+    for sid, (ident, members) in enumerate(sorted((k, v) for k, v in groups.items() if len(v) > 1)):
+        for i in members:
+            leaf = leaves[i]
+            refs[i] = StorageRef(sid, ident[1], leaf.storage_offset, leaf.storage_stride)
+    return refs
+
+
+def _flat_bytes(block: np.ndarray) -> memoryview:
+    """Flat byte view of a C-contiguous array."""
+    return memoryview(block.reshape(-1).view(np.uint8)) if block.size else memoryview(b"")
+
+
+class CheckpointWriter:
+    """Writes the blobs of one checkpoint and commits its manifest. One instance per save."""
+
+    def __init__(self, store: Store, options: SaveOptions, known: KnownChunks) -> None:
+        self.store = store
+        self.options = options
+        self.known = known
+        self.stats = _Stats()
+        self.budget = ByteBudget(options.max_inflight_bytes)
+        self._claimed: set[str] = set()  # blobs written (or being written) by this save
+        self._claim_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- one blob
+    def _put_blob(self, blob: str, data: memoryview | bytes) -> bool:
+        """Write a blob unless this save already did; True if written here."""
+        with self._claim_lock:
+            if blob in self._claimed:
+                return False
+            self._claimed.add(blob)
+        with self.stats.timed("write"):
+            self.store.put(blob_key(blob), data)
+        return True
+
+    def _chunk_job(self, leaf: ArrayLeaf, start: int, stop: int) -> ChunkRef:
+        codec = self.options.compression
+        block = leaf.array[start:stop] if leaf.array.ndim else leaf.array
+        need_copy = not block.flags.c_contiguous
+        with self.budget.hold(block.nbytes if need_copy else 0):
+            if need_copy:
+                with self.stats.timed("stage"):
+                    block = np.ascontiguousarray(block)
+            raw = _flat_bytes(block)
+            with self.stats.timed("hash"):
+                raw_digest = digest(raw)
+            ref = self.known.find(raw_digest, len(raw), codec)
+            if ref is not None:
+                self.stats.count(reused=len(raw))
+                return ref
+            if codec is None:
+                ref = ChunkRef(raw_digest, 0, len(raw), len(raw), raw_digest)
+                wrote = self._put_blob(raw_digest, raw)
+                self.stats.count(written=len(raw) if wrote else 0, reused=0 if wrote else len(raw))
+            else:
+                with self.budget.hold(len(raw) // 2):  # typical compressed size, an estimate
+                    with self.stats.timed("compress"):
+                        stored = codec.encode(raw, leaf.dtype.itemsize)
+                    with self.stats.timed("hash"):
+                        stored_digest = digest(stored)
+                    ref = ChunkRef(stored_digest, 0, len(stored), len(raw), raw_digest)
+                    wrote = self._put_blob(stored_digest, stored)
+                    self.stats.count(written=len(stored) if wrote else 0,
+                                     reused=0 if wrote else len(raw))
+        self.known.add(ref, codec)
+        return ref
+
+    def _pack_job(self, members: list[tuple[int, ArrayLeaf]]) -> dict[int, ChunkRef]:
+        """Pack small arrays into one blob; members already known are referenced, not packed."""
+        refs: dict[int, ChunkRef] = {}
+        todo: list[tuple[int, ArrayLeaf, memoryview, str]] = []
+        for index, leaf in members:
+            arr = np.ascontiguousarray(leaf.array)
+            raw = _flat_bytes(arr)
+            with self.stats.timed("hash"):
+                d = digest(raw)
+            ref = self.known.find(d, len(raw), None)
+            if ref is not None:
+                refs[index] = ref
+                self.stats.count(reused=len(raw))
+            else:
+                todo.append((index, leaf, raw, d))
+        if not todo:
+            return refs
+        total = sum(len(raw) for _i, _l, raw, _d in todo)
+        with self.budget.hold(total):
+            pack = bytearray(total)
+            offsets = []
+            pos = 0
+            with self.stats.timed("stage"):
+                for _index, _leaf, raw, _d in todo:
+                    pack[pos : pos + len(raw)] = raw
+                    offsets.append(pos)
+                    pos += len(raw)
+            with self.stats.timed("hash"):
+                pack_digest = digest(pack)
+            wrote = self._put_blob(pack_digest, pack)
+            self.stats.count(written=total if wrote else 0, reused=0 if wrote else total)
+        for (index, _leaf, raw, d), off in zip(todo, offsets):
+            ref = ChunkRef(pack_digest, off, len(raw), len(raw), d)
+            refs[index] = ref
+            self.known.add(ref, None)
+        return refs
+
+    # ---------------------------------------------------------------- whole checkpoint
+    def write(self, name: str, tree: Any, leaves: list[ArrayLeaf], metadata: dict[str, Any],
+              parent: str | None, manifest_key: str) -> Manifest:
+        """Write every blob, then commit the manifest. Raises CheckpointExistsError if the
+        name was taken meanwhile; any other failure propagates and nothing is committed."""
+        opts = self.options
+        chunk_rows = [rows_per_chunk(tuple(leaf.array.shape), leaf.dtype.itemsize,
+                                     opts.chunk_bytes) for leaf in leaves]
+        packed = [i for i, leaf in enumerate(leaves)
+                  if 0 < leaf.nbytes <= opts.pack_threshold]
+        packed_set = set(packed)
+        for i in packed:  # one chunk for the whole array
+            chunk_rows[i] = max(1, leaves[i].array.shape[0]) if leaves[i].array.ndim else 1
+
+        chunk_refs: list[list[ChunkRef]] = [[] for _ in leaves]
+        with cf.ThreadPoolExecutor(opts.workers, thread_name_prefix="ckpt-save") as pool:
+            futures: dict[cf.Future[Any], tuple[str, int, int]] = {}
+            for i, leaf in enumerate(leaves):
+                if i in packed_set or leaf.nbytes == 0:
+                    continue
+                n_rows = leaf.array.shape[0] if leaf.array.ndim else 1
+                for c, start in enumerate(range(0, n_rows, chunk_rows[i])):
+                    stop = min(n_rows, start + chunk_rows[i])
+                    futures[pool.submit(self._chunk_job, leaf, start, stop)] = ("chunk", i, c)
+                chunk_refs[i] = [None] * -(-n_rows // chunk_rows[i])  # type: ignore[list-item]
+            for group in _pack_groups(packed, leaves, opts.chunk_bytes):
+                fut = pool.submit(self._pack_job, [(i, leaves[i]) for i in group])
+                futures[fut] = ("pack", -1, -1)
+            try:
+                for fut in cf.as_completed(futures):
+                    kind, i, c = futures[fut]
+                    result = fut.result()
+                    if kind == "chunk":
+                        chunk_refs[i][c] = result
+                    else:
+                        for j, ref in result.items():
+                            chunk_refs[j] = [ref]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+
+        refs = storage_refs(leaves)
+        entries = tuple(
+            TensorEntry(key=leaf.key, kind=leaf.kind, dtype=leaf.dtype,
+                        shape=tuple(int(s) for s in leaf.array.shape), chunk_rows=chunk_rows[i],
+                        codec=None if i in packed_set else opts.compression,
+                        chunks=tuple(chunk_refs[i]), requires_grad=leaf.requires_grad,
+                        parameter=leaf.parameter, storage=refs[i])
+            for i, leaf in enumerate(leaves))
+        manifest = Manifest(name=name, created=time.time(), metadata=metadata, tree=tree,
+                            tensors=entries, parent=parent)
+        body = manifest.to_bytes()
+        with self.stats.timed("commit"):
+            self.store.sync()  # every blob durable before the manifest exists
+            try:
+                self.store.create(manifest_key, body)
+            except ObjectExistsError:
+                raise CheckpointExistsError(
+                    f"checkpoint {name!r} already exists in {self.store.uri}; it was not "
+                    "touched") from None
+        return manifest
+
+
+def _pack_groups(indices: list[int], leaves: list[ArrayLeaf], limit: int) -> Iterator[list[int]]:
+    group: list[int] = []
+    size = 0
+    for i in indices:
+        n = leaves[i].nbytes
+        if group and size + n > limit:
+            yield group
+            group, size = [], 0
+        group.append(i)
+        size += n
+    if group:
+        yield group
