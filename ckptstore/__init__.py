@@ -55,3 +55,6 @@ __all__ += [
     "SaveInfo",
     "VerifyReport",
 ]
+from .zarr_view import zarr_store  # noqa: E402
+
+__all__ += ["zarr_store"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -96,7 +97,7 @@ class CheckpointStore:
     (at most one save in flight, a new one waits for the previous).
     """
 
-    def __init__(self, uri: str | Store, *, create: bool = True, chunk_bytes: int | None = None,
+    def __init__(self, uri: str | os.PathLike[str] | Store, *, create: bool = True, chunk_bytes: int | None = None,
                  compression: str | Codec | None = None, workers: int = 8,
                  max_inflight_bytes: int | None = None, **store_options: Any) -> None:
         self.store = open_store(uri, **store_options) if not isinstance(uri, Store) else uri

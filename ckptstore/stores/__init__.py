@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..errors import InvalidNameError
@@ -12,7 +13,7 @@ from .memory import MemoryStore
 __all__ = ["ObjectInfo", "Store", "LocalStore", "MemoryStore", "open_store"]
 
 
-def open_store(uri: str | Store, **options: Any) -> Store:
+def open_store(uri: str | os.PathLike[str] | Store, **options: Any) -> Store:
     """Open the store a URI names.
 
     * a plain path or ``file:///path`` -> LocalStore (options: ``create``)
@@ -23,6 +24,8 @@ def open_store(uri: str | Store, **options: Any) -> Store:
     """
     if isinstance(uri, Store):
         return uri
+    if isinstance(uri, os.PathLike):
+        return LocalStore(uri, **options)
     if not isinstance(uri, str) or not uri:
         raise InvalidNameError(f"store URI must be a non-empty string, got {uri!r}")
     scheme, sep, rest = uri.partition("://")

@@ -1,0 +1,201 @@
+"""A read-only zarr v3 Store over one checkpoint, so zarr-python reads any tensor lazily:
+
+    group = zarr.open_group(store=ckptstore.zarr_store(repo, "step-100"), mode="r")
+    group["model.embed.weight"][10:20]
+
+Each tensor is an array named by its dotted key ('/' written as '%2F', the root key as '_').
+Chunks are served decoded and verified against their digests (IntegrityError otherwise), with
+the last row block padded to the full chunk shape as zarr expects; so every array's metadata
+here lists only the `bytes` codec. bfloat16/float8/complex32 arrays hold raw bits (uint16,
+uint8, uint32): the real dtype is in `attributes["ckptstore"]["dtype"]`. A chunk that the
+manifest does not list is absent; a listed chunk whose blob is missing raises IntegrityError
+instead of reading as the fill value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+
+from .manifest import Manifest, TensorEntry
+from .reader import CheckpointReader, ReadTarget
+
+if TYPE_CHECKING:
+    from .repository import CheckpointStore
+
+
+def node_name(key: str) -> str:
+    """The zarr array name of a tensor key."""
+    return key.replace("%", "%25").replace("/", "%2F") or "_"
+
+
+class CheckpointZarrStore(Store):
+    """Read-only zarr Store view of one committed checkpoint."""
+
+    def __init__(self, repo: CheckpointStore, name: str) -> None:
+        super().__init__(read_only=True)
+        self._repo = repo
+        self._manifest: Manifest = repo.manifest(name)
+        self._reader = CheckpointReader(repo.store, repo.load_options)
+        self._arrays: dict[str, TensorEntry] = {}
+        for entry in self._manifest.tensors:
+            self._arrays.setdefault(node_name(entry.key), entry)
+        self._docs: dict[str, bytes] = {"zarr.json": json.dumps({
+            "zarr_format": 3, "node_type": "group",
+            "attributes": {"ckptstore": {"checkpoint": self._manifest.name,
+                                         "metadata": self._manifest.metadata}},
+        }).encode()}
+        for node, entry in self._arrays.items():
+            doc = entry.to_json()
+            doc["codecs"] = doc["codecs"][:1]  # served decoded
+            self._docs[f"{node}/zarr.json"] = json.dumps(doc).encode()
+
+    # -------------------------------------------------------------- identity
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, CheckpointZarrStore) and other._repo is self._repo
+                and other._manifest.name == self._manifest.name)
+
+    def __hash__(self) -> int:
+        return hash((id(self._repo), self._manifest.name))
+
+    @property
+    def supports_writes(self) -> bool:
+        return False
+
+    @property
+    def supports_deletes(self) -> bool:
+        return False
+
+    @property
+    def supports_listing(self) -> bool:
+        return True
+
+    @property
+    def supports_partial_writes(self) -> bool:  # type: ignore[override]
+        return False
+
+    async def set(self, key: str, value: Buffer) -> None:
+        raise PermissionError("a checkpoint's zarr view is read-only")
+
+    async def delete(self, key: str) -> None:
+        raise PermissionError("a checkpoint's zarr view is read-only")
+
+    # -------------------------------------------------------------- reads
+    def _chunk(self, key: str) -> tuple[TensorEntry, int] | None:
+        node, sep, rest = key.partition("/c")
+        entry = self._arrays.get(node)
+        if entry is None or not sep:
+            return None
+        if not entry.shape:
+            return (entry, 0) if rest == "" else None
+        parts = rest.split("/")
+        if len(parts) != len(entry.shape) + 1 or parts[0] != "":
+            return None
+        try:
+            idx = [int(p) for p in parts[1:]]
+        except ValueError:
+            return None
+        if any(i != 0 for i in idx[1:]) or not 0 <= idx[0] < len(entry.chunks):
+            return None
+        return entry, idx[0]
+
+    def _read_chunk(self, entry: TensorEntry, index: int) -> bytes:
+        """Decoded, verified bytes of one chunk, zero-padded to the full chunk shape."""
+        full_rows = entry.chunk_rows if entry.shape else 1
+        start, stop = entry.chunk_rows_range(index)
+        row_bytes = entry.row_bytes if entry.shape else entry.dtype.itemsize
+        out = np.zeros(full_rows * row_bytes, np.uint8)
+        rows = (stop - start) if entry.shape else 1
+        one = _single_chunk_entry(entry, index, rows)
+        self._reader.read_tensors([ReadTarget(one, out[: rows * row_bytes])])
+        return out.tobytes()
+
+    def _get_sync(self, key: str) -> bytes | None:
+        doc = self._docs.get(key)
+        if doc is not None:
+            return doc
+        found = self._chunk(key)
+        if found is None:
+            return None
+        return self._read_chunk(*found)
+
+    async def get(self, key: str, prototype: BufferPrototype | None = None,
+                  byte_range: ByteRequest | None = None) -> Buffer | None:
+        prototype = prototype or default_buffer_prototype()
+        data = await asyncio.to_thread(self._get_sync, key)
+        if data is None:
+            return None
+        return prototype.buffer.from_bytes(_slice(data, byte_range))
+
+    async def get_partial_values(self, prototype: BufferPrototype,
+                                 key_ranges: Iterable[tuple[str, ByteRequest | None]]
+                                 ) -> list[Buffer | None]:
+        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
+
+    async def exists(self, key: str) -> bool:
+        return key in self._docs or self._chunk(key) is not None
+
+    # -------------------------------------------------------------- listing
+    def _all_keys(self) -> list[str]:
+        keys = list(self._docs)
+        for node, entry in self._arrays.items():
+            tail = "/0" * (len(entry.shape) - 1)
+            if not entry.shape:
+                keys.extend(f"{node}/c" for _ in entry.chunks)
+            else:
+                keys.extend(f"{node}/c/{i}{tail}" for i in range(len(entry.chunks)))
+        return keys
+
+    async def list(self) -> AsyncIterator[str]:  # type: ignore[override]
+        for key in self._all_keys():
+            yield key
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
+        for key in self._all_keys():
+            if key.startswith(prefix):
+                yield key
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
+        prefix = prefix.rstrip("/")
+        seen: set[str] = set()
+        for key in self._all_keys():
+            if prefix and not key.startswith(prefix + "/"):
+                continue
+            head = key[len(prefix) + 1 if prefix else 0 :].split("/", 1)[0]
+            if head not in seen:
+                seen.add(head)
+                yield head
+
+
+def _single_chunk_entry(entry: TensorEntry, index: int, rows: int) -> TensorEntry:
+    """An entry describing just chunk `index` (so the reader fills exactly its rows)."""
+    from dataclasses import replace
+
+    shape = (rows, *entry.shape[1:]) if entry.shape else ()
+    return replace(entry, shape=shape, chunk_rows=max(1, rows) if entry.shape else 1,
+                   chunks=(entry.chunks[index],), storage=None)
+
+
+def _slice(data: bytes, byte_range: ByteRequest | None) -> bytes:
+    if byte_range is None:
+        return data
+    if isinstance(byte_range, RangeByteRequest):
+        return data[byte_range.start : byte_range.end]
+    if isinstance(byte_range, OffsetByteRequest):
+        return data[byte_range.offset :]
+    if isinstance(byte_range, SuffixByteRequest):
+        return data[len(data) - byte_range.suffix :]
+    raise ValueError(f"unexpected byte range {byte_range!r}")
+
+
+def zarr_store(repo: CheckpointStore, name: str) -> CheckpointZarrStore:
+    """A read-only zarr v3 Store over checkpoint `name` of `repo`."""
+    return CheckpointZarrStore(repo, name)
+
+
