@@ -75,4 +75,4 @@ def from_numpy(dtype: np.dtype) -> DType | None:
     """The DType for a numpy dtype (any byte order), or None if numpy's type is not storable."""
     if dtype.fields is not None or dtype.subdtype is not None:
         return None
-    return _BY_NUMPY.get(dtype.name)  # the name ignores byte order: '>f4' is 'float32' 
+    return _BY_NUMPY.get(dtype.name)  # the name ignores byte order: '>f4' is 'float32'

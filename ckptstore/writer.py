@@ -26,9 +26,10 @@ import numpy as np
 
 from .budget import ByteBudget
 from .codecs import Codec
-from .errors import CheckpointExistsError, ObjectExistsError
+from .dtypes import DType
+from .errors import CheckpointExistsError, CkptStoreError, ObjectExistsError
 from .hashing import blob_key, digest
-from .manifest import ChunkRef, Manifest, StorageRef, TensorEntry
+from .manifest import ChunkRef, Manifest, StorageRef, TensorEntry, expected_chunk_count
 from .stores.base import Store
 from .tree import ArrayLeaf
 
@@ -255,58 +256,41 @@ class CheckpointWriter:
             self.known.add(ref, None)
         return refs
 
-    # ---------------------------------------------------------------- whole checkpoint
-    def write(self, name: str, tree: Any, leaves: list[ArrayLeaf], metadata: dict[str, Any],
-              parent: str | None, manifest_key: str) -> Manifest:
-        """Write every blob, then commit the manifest. Raises CheckpointExistsError if the
-        name was taken meanwhile; any other failure propagates and nothing is committed."""
+    # ---------------------------------------------------------------- blobs of many leaves
+    def write_blobs(self, leaves: list[ArrayLeaf], plans: list[LeafPlan]
+                    ) -> dict[tuple[int, int], ChunkRef]:
+        """Write the chunks `plans` assign to this process, in parallel. Returns
+        {(leaf index, global chunk index): ChunkRef}. Blobs are not yet durable: call
+        `store.sync()` before committing a manifest that references them."""
         opts = self.options
-        chunk_rows = [rows_per_chunk(tuple(leaf.array.shape), leaf.dtype.itemsize,
-                                     opts.chunk_bytes) for leaf in leaves]
-        packed = [i for i, leaf in enumerate(leaves)
-                  if 0 < leaf.nbytes <= opts.pack_threshold]
-        packed_set = set(packed)
-        for i in packed:  # one chunk for the whole array
-            chunk_rows[i] = max(1, leaves[i].array.shape[0]) if leaves[i].array.ndim else 1
-
-        chunk_refs: list[list[ChunkRef]] = [[] for _ in leaves]
+        refs: dict[tuple[int, int], ChunkRef] = {}
+        packed = [i for i, p in enumerate(plans) if p.packed and p.writes_any]
         with cf.ThreadPoolExecutor(opts.workers, thread_name_prefix="ckpt-save") as pool:
-            futures: dict[cf.Future[Any], tuple[str, int, int]] = {}
-            for i, leaf in enumerate(leaves):
-                if i in packed_set or leaf.nbytes == 0:
+            futures: dict[cf.Future[Any], tuple[int, int]] = {}
+            for i, (leaf, plan) in enumerate(zip(leaves, plans)):
+                if plan.packed:
                     continue
-                n_rows = leaf.array.shape[0] if leaf.array.ndim else 1
-                for c, start in enumerate(range(0, n_rows, chunk_rows[i])):
-                    stop = min(n_rows, start + chunk_rows[i])
-                    futures[pool.submit(self._chunk_job, leaf, start, stop)] = ("chunk", i, c)
-                chunk_refs[i] = [None] * -(-n_rows // chunk_rows[i])  # type: ignore[list-item]
+                for c, start, stop in plan.local_chunks(leaf):
+                    futures[pool.submit(self._chunk_job, leaf, start, stop)] = (i, c)
             for group in _pack_groups(packed, leaves, opts.chunk_bytes):
                 fut = pool.submit(self._pack_job, [(i, leaves[i]) for i in group])
-                futures[fut] = ("pack", -1, -1)
+                futures[fut] = (-1, -1)
             try:
                 for fut in cf.as_completed(futures):
-                    kind, i, c = futures[fut]
+                    i, c = futures[fut]
                     result = fut.result()
-                    if kind == "chunk":
-                        chunk_refs[i][c] = result
+                    if i >= 0:
+                        refs[(i, c)] = result
                     else:
-                        for j, ref in result.items():
-                            chunk_refs[j] = [ref]
+                        refs.update(((j, 0), ref) for j, ref in result.items())
             except BaseException:
                 for f in futures:
                     f.cancel()
                 raise
+        return refs
 
-        refs = storage_refs(leaves)
-        entries = tuple(
-            TensorEntry(key=leaf.key, kind=leaf.kind, dtype=leaf.dtype,
-                        shape=tuple(int(s) for s in leaf.array.shape), chunk_rows=chunk_rows[i],
-                        codec=None if i in packed_set else opts.compression,
-                        chunks=tuple(chunk_refs[i]), requires_grad=leaf.requires_grad,
-                        parameter=leaf.parameter, storage=refs[i])
-            for i, leaf in enumerate(leaves))
-        manifest = Manifest(name=name, created=time.time(), metadata=metadata, tree=tree,
-                            tensors=entries, parent=parent)
+    def commit(self, manifest: Manifest, manifest_key: str) -> None:
+        """Make the blobs durable, then create the manifest create-only."""
         body = manifest.to_bytes()
         with self.stats.timed("commit"):
             self.store.sync()  # every blob durable before the manifest exists
@@ -314,9 +298,109 @@ class CheckpointWriter:
                 self.store.create(manifest_key, body)
             except ObjectExistsError:
                 raise CheckpointExistsError(
-                    f"checkpoint {name!r} already exists in {self.store.uri}; it was not "
-                    "touched") from None
+                    f"checkpoint {manifest.name!r} already exists in {self.store.uri}; it was "
+                    "not touched") from None
+
+    def write(self, name: str, tree: Any, leaves: list[ArrayLeaf], metadata: dict[str, Any],
+              parent: str | None, manifest_key: str) -> Manifest:
+        """Single-process save: write every blob, then commit. Raises CheckpointExistsError if
+        the name was taken meanwhile; any other failure propagates and nothing is committed."""
+        plans = plan_leaves(leaves, self.options)
+        refs = self.write_blobs(leaves, plans)
+        specs = [TensorSpec.of(leaf) for leaf in leaves]
+        entries = build_entries(specs, plans, refs, self.options.compression,
+                                storage_refs(leaves))
+        manifest = Manifest(name=name, created=time.time(), metadata=metadata, tree=tree,
+                            tensors=entries, parent=parent)
+        self.commit(manifest, manifest_key)
         return manifest
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the manifest needs of a leaf besides its chunks: the global geometry."""
+
+    key: str
+    kind: str
+    dtype: DType
+    shape: tuple[int, ...]  # global shape
+    requires_grad: bool = False
+    parameter: bool = False
+
+    @staticmethod
+    def of(leaf: ArrayLeaf, global_shape: tuple[int, ...] | None = None) -> TensorSpec:
+        shape = tuple(int(s) for s in leaf.array.shape) if global_shape is None else global_shape
+        return TensorSpec(leaf.key, leaf.kind, leaf.dtype, shape, leaf.requires_grad,
+                          leaf.parameter)
+
+
+@dataclass(frozen=True)
+class LeafPlan:
+    """How one leaf is chunked and which of its chunks this process writes.
+
+    `chunk_rows` is the global row-block size; this process holds global rows
+    [row_offset, row_offset + local rows) and writes the global chunks in `owned` (None: every
+    chunk it holds). Packed leaves form one chunk and are written whole."""
+
+    chunk_rows: int
+    packed: bool = False
+    row_offset: int = 0
+    owned: frozenset[int] | None = None
+
+    @property
+    def writes_any(self) -> bool:
+        return self.owned is None or bool(self.owned)
+
+    def local_chunks(self, leaf: ArrayLeaf) -> Iterator[tuple[int, int, int]]:
+        """(global chunk index, local start row, local stop row) of the chunks to write."""
+        if leaf.nbytes == 0:
+            return
+        if leaf.array.ndim == 0:
+            if self.owned is None or 0 in self.owned:
+                yield (0, 0, 1)
+            return
+        n_local = leaf.array.shape[0]
+        if self.row_offset % self.chunk_rows:
+            raise ValueError(f"{leaf.key}: shard offset {self.row_offset} is not a multiple of "
+                             f"the chunk rows {self.chunk_rows}")
+        first = self.row_offset // self.chunk_rows
+        for k, start in enumerate(range(0, n_local, self.chunk_rows)):
+            c = first + k
+            if self.owned is None or c in self.owned:
+                yield (c, start, min(n_local, start + self.chunk_rows))
+
+
+def plan_leaves(leaves: list[ArrayLeaf], options: SaveOptions) -> list[LeafPlan]:
+    """Single-process plan: small leaves packed, the rest in row blocks of ~chunk_bytes."""
+    plans = []
+    for leaf in leaves:
+        if 0 < leaf.nbytes <= options.pack_threshold:
+            rows = max(1, leaf.array.shape[0]) if leaf.array.ndim else 1
+            plans.append(LeafPlan(rows, packed=True))
+        else:
+            plans.append(LeafPlan(rows_per_chunk(tuple(leaf.array.shape), leaf.dtype.itemsize,
+                                                 options.chunk_bytes)))
+    return plans
+
+
+def build_entries(specs: list[TensorSpec], plans: list[LeafPlan],
+                  refs: dict[tuple[int, int], ChunkRef], compression: Codec | None,
+                  storage: list[StorageRef | None] | None = None) -> tuple[TensorEntry, ...]:
+    """Tensor entries from specs and every chunk's ref (all chunks must be present)."""
+    entries = []
+    for i, (spec, plan) in enumerate(zip(specs, plans)):
+        n = expected_chunk_count(spec.shape, plan.chunk_rows, spec.dtype.itemsize)
+        try:
+            chunks = tuple(refs[(i, c)] for c in range(n))
+        except KeyError as exc:
+            raise CkptStoreError(f"{spec.key}: chunk {exc.args[0][1]} was written by no "
+                                 "process") from None
+        entries.append(TensorEntry(
+            key=spec.key, kind=spec.kind, dtype=spec.dtype, shape=spec.shape,
+            chunk_rows=plan.chunk_rows, codec=None if plan.packed else compression,
+            chunks=chunks, requires_grad=spec.requires_grad, parameter=spec.parameter,
+            storage=None if storage is None else storage[i]))
+    return tuple(entries)
 
 
 def _pack_groups(indices: list[int], leaves: list[ArrayLeaf], limit: int) -> Iterator[list[int]]:

@@ -20,7 +20,13 @@ from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
-from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
+from zarr.abc.store import (
+    ByteRequest,
+    OffsetByteRequest,
+    RangeByteRequest,
+    Store,
+    SuffixByteRequest,
+)
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from .manifest import Manifest, TensorEntry
