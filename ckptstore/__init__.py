@@ -58,3 +58,6 @@ __all__ += [
 from .zarr_view import zarr_store  # noqa: E402
 
 __all__ += ["zarr_store"]
+from .sharding import Shard  # noqa: E402
+
+__all__ += ["Shard"]

@@ -12,6 +12,7 @@ from . import tree as tree_mod
 from .errors import KeyMismatchError
 from .manifest import Manifest, TensorEntry
 from .reader import CheckpointReader, ReadTarget
+from .sharding import Shard
 
 Finish = Callable[[], None] | None
 
@@ -34,8 +35,22 @@ def _numpy_new(entry: TensorEntry) -> tuple[Any, np.ndarray, Finish]:
 def _numpy_into(dest: np.ndarray, entry: TensorEntry) -> tuple[Any, np.ndarray, Finish]:
     if dest.flags.c_contiguous and dest.flags.writeable and dest.dtype.isnative:
         return dest, dest.reshape(-1).view(np.uint8), None
-    tmp = np.empty(entry.shape, dtype=entry.dtype.numpy_dtype)
+    tmp = np.empty(dest.shape, dtype=entry.dtype.numpy_dtype)
     return dest, tmp.reshape(-1).view(np.uint8), lambda: np.copyto(dest, tmp)
+
+
+def local_part(dest: Any, key: str) -> tuple[Any, tuple[int, int] | None, tuple[int, ...]]:
+    """(local array, rows it holds or None for all, global shape) of an `into=` destination:
+    a Shard, a DTensor (Shard(0) or Replicate), or a plain tensor/array."""
+    if isinstance(dest, Shard):
+        return dest.data, dest.rows, dest.global_shape
+    if not isinstance(dest, np.ndarray):
+        from . import torch_interop
+
+        found = torch_interop.dtensor_local(dest, key)
+        if found is not None:
+            return found
+    return dest, None, tuple(dest.shape)
 
 
 def _check_numpy_dest(dest: Any, entry: TensorEntry) -> str | None:
@@ -43,8 +58,6 @@ def _check_numpy_dest(dest: Any, entry: TensorEntry) -> str | None:
         return f"destination is a {type(dest).__name__}, checkpoint holds a numpy array"
     if not entry.dtype.numpy_native or dest.dtype.name != entry.dtype.name:
         return f"destination dtype {dest.dtype} != stored {entry.dtype.name}"
-    if tuple(dest.shape) != entry.shape:
-        return f"destination shape {dest.shape} != stored {entry.shape}"
     if not dest.flags.writeable:
         return "destination array is read-only"
     return None
@@ -70,7 +83,11 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
     for i in selected:
         entry = manifest.tensors[i]
         key = tree_mod.key_string(paths.get(i, ()))
-        dest = dests.get(key)
+        original = dests.get(key)
+        rows = None
+        dest = None
+        if original is not None:
+            dest, rows, _gshape = local_part(original, key)
         if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
             from . import torch_interop
 
@@ -82,9 +99,9 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
             value, buf, fin = _numpy_new(entry)
         else:
             value, buf, fin = _numpy_into(dest, entry) if dest is not None else _numpy_new(entry)
-        values[i] = value
-        if entry.nbytes:
-            targets.append(ReadTarget(entry, buf))
+        values[i] = original if original is not None else value
+        if buf.nbytes:
+            targets.append(ReadTarget(entry, buf, rows))
         if fin is not None:
             finishers.append(fin)
     reader.read_tensors(targets)
@@ -122,10 +139,16 @@ def _check_into(manifest: Manifest, selected: list[int], paths: dict, dests: dic
         entry = manifest.tensors[i]
         key = tree_mod.key_string(paths.get(i, ()))
         stored_keys.add(key)
-        dest = dests.get(key)
-        if dest is None:
+        original = dests.get(key)
+        if original is None:
             continue
-        if isinstance(dest, np.ndarray):
+        dest, rows, gshape = local_part(original, key)
+        local_shape = entry.shape if rows is None else (rows[1] - rows[0], *entry.shape[1:])
+        if gshape != entry.shape:
+            why: str | None = f"destination shape {gshape} != stored {entry.shape}"
+        elif tuple(dest.shape) != local_shape:
+            why = f"destination holds shape {tuple(dest.shape)}, its rows need {local_shape}"
+        elif isinstance(dest, np.ndarray):
             why = _check_numpy_dest(dest, entry)
         else:
             from . import torch_interop

@@ -34,17 +34,30 @@ class LoadOptions:
 
 @dataclass(frozen=True)
 class ReadTarget:
-    """Fill `buffer` (flat, writable uint8, entry.nbytes long) with the entry's bytes."""
+    """Fill `buffer` (flat, writable uint8) with the entry's bytes: all of them, or with `rows`
+    only the row range [start, stop) of dim 0 (a shard), reading only the chunks it overlaps."""
 
     entry: TensorEntry
     buffer: np.ndarray
+    rows: tuple[int, int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.rows is None:
+            return self.entry.nbytes
+        return (self.rows[1] - self.rows[0]) * self.entry.row_bytes
 
 
 @dataclass(frozen=True)
 class _Piece:
     entry: TensorEntry
     chunk: ChunkRef
-    dest: np.ndarray  # the destination bytes of this chunk
+    dest: np.ndarray  # the destination bytes of this chunk (or of its overlap with a shard)
+    skip: int = 0  # bytes of the decoded chunk before the part `dest` receives
+
+    @property
+    def partial(self) -> bool:
+        return len(self.dest) != self.chunk.nbytes
 
 
 class CheckpointReader:
@@ -62,14 +75,23 @@ class CheckpointReader:
         whole: list[_Piece] = []
         for t in targets:
             e = t.entry
-            if t.buffer.nbytes != e.nbytes:
+            if t.buffer.nbytes != t.nbytes:
                 raise ValueError(f"buffer for {e.key!r} has {t.buffer.nbytes} bytes, "
-                                 f"needs {e.nbytes}")
+                                 f"needs {t.nbytes}")
+            want = t.rows or ((0, e.shape[0]) if e.shape else (0, 1))
+            if not 0 <= want[0] <= want[1] <= (e.shape[0] if e.shape else 1):
+                raise ValueError(f"rows {want} out of range for {e.key!r} of shape {e.shape}")
             for i, c in enumerate(e.chunks):
                 start, stop = e.chunk_rows_range(i)
-                lo = start * e.row_bytes if e.shape else 0
-                piece = _Piece(e, c, t.buffer[lo : lo + c.nbytes])
-                if e.codec is None and (c.offset != 0 or c.blob != c.digest):
+                a, b = max(start, want[0]), min(stop, want[1])
+                if a >= b:
+                    continue  # this chunk holds none of the wanted rows: not read
+                row = e.row_bytes if e.shape else e.dtype.itemsize
+                lo = (a - want[0]) * row
+                piece = _Piece(e, c, t.buffer[lo : lo + (b - a) * row], skip=(a - start) * row)
+                if piece.partial:
+                    whole.append(piece)
+                elif e.codec is None and (c.offset != 0 or c.blob != c.digest):
                     raw_groups[c.blob].append(piece)  # lives inside a larger blob
                 else:
                     whole.append(piece)
@@ -101,6 +123,12 @@ class CheckpointReader:
 
     def _read_whole(self, p: _Piece, budget: ByteBudget) -> None:
         c, e = p.chunk, p.entry
+        if p.partial:  # only part of the chunk is wanted: verify all of it, keep the part
+            with budget.hold(c.nbytes):
+                full = np.empty(c.nbytes, np.uint8)
+                self._read_whole(_Piece(e, c, full), budget)
+                p.dest[:] = full[p.skip : p.skip + len(p.dest)]
+            return
         dest = memoryview(p.dest)
         if e.codec is None:
             self._fetch_into(e, c.blob, c.offset, dest)

@@ -51,6 +51,15 @@ def tensor_leaf(t: Any, key: str) -> ArrayLeaf:
         raise UnsupportedTypeError(f"{key}: tensors of dtype {t.dtype} cannot be stored")
     parameter = isinstance(t, torch.nn.Parameter)
     requires_grad = bool(t.requires_grad)
+    local = dtensor_local(t, key)
+    if local is not None:
+        tensor, rows, global_shape = local
+        leaf = tensor_leaf(tensor, key)
+        leaf.requires_grad, leaf.parameter = requires_grad, parameter
+        if rows is not None:
+            leaf.global_shape, leaf.row_offset = global_shape, rows[0]
+            leaf.storage_identity = None
+        return leaf
     base = t.detach()
     if base.is_conj():
         base = base.resolve_conj()
@@ -65,6 +74,35 @@ def tensor_leaf(t: Any, key: str) -> ArrayLeaf:
         storage_identity=(storage.data_ptr(), storage.nbytes()) if base.numel() else None,
         storage_offset=base.storage_offset(), storage_stride=tuple(base.stride()),
     )
+
+
+def dtensor_local(t: Any, key: str
+                  ) -> tuple[torch.Tensor, tuple[int, int] | None, tuple[int, ...]] | None:
+    """For a DTensor: (local tensor, its global rows or None if replicated, global shape).
+    None for any other tensor. Supports 1-D meshes with Shard(0) or Replicate placements."""
+    cls = type(t)
+    if cls.__name__ != "DTensor" or not cls.__module__.startswith("torch.distributed"):
+        return None
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    placements = tuple(t.placements)
+    mesh = t.device_mesh
+    global_shape = tuple(int(s) for s in t.shape)
+    local = t.to_local()
+    if mesh.ndim != 1 or len(placements) != 1:
+        raise UnsupportedTypeError(f"{key}: only DTensors on a 1-D device mesh are supported")
+    placement = placements[0]
+    if isinstance(placement, Replicate):
+        return local, None, global_shape
+    if not (isinstance(placement, DShard) and placement.dim == 0):
+        raise UnsupportedTypeError(f"{key}: DTensor placement {placement} is not supported "
+                                   "(use Shard(0) or Replicate())")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    start = int(offset[0]) if local.shape[0] else global_shape[0]
+    return local, (start, start + int(local.shape[0])), global_shape
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray | None:
@@ -123,7 +161,7 @@ class TorchMaterializer:
         view = byte_view(target)
         if view is not None:
             return dest, view, None
-        tmp = torch.empty(entry.shape, dtype=dt)
+        tmp = torch.empty(tuple(target.shape), dtype=dt)
         tmp_view = byte_view(tmp)
         assert tmp_view is not None
 
@@ -140,6 +178,4 @@ def check_destination(dest: Any, entry: TensorEntry) -> str | None:
     name = dtype_name(dest.dtype)
     if name != entry.dtype.name:
         return f"destination dtype {dest.dtype} != stored {entry.dtype.name}"
-    if tuple(dest.shape) != entry.shape:
-        return f"destination shape {tuple(dest.shape)} != stored {entry.shape}"
     return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ import numpy as np
 from . import dtypes
 from .dtypes import DType
 from .errors import UnsupportedTypeError
+from .sharding import Shard
 
 Path = tuple[str | int, ...]
 
@@ -42,6 +43,13 @@ class ArrayLeaf:
     storage_identity: tuple[int, int] | None = None  # (storage address, storage bytes): torch
     storage_offset: int = 0  # elements
     storage_stride: tuple[int, ...] = ()
+    global_shape: tuple[int, ...] | None = None  # set when `array` is only some rows (a shard)
+    row_offset: int = 0  # first global row of `array` when sharded
+
+    @property
+    def is_partial(self) -> bool:
+        """True if this process holds only some rows of the stored tensor."""
+        return self.global_shape is not None and tuple(self.array.shape) != self.global_shape
 
     @property
     def nbytes(self) -> int:
@@ -82,7 +90,7 @@ class TreeEncoder:
             return {"str": obj}
         if type(obj) is bytes:
             return {"bytes": self._array(obj, path)}
-        if isinstance(obj, np.ndarray) or _is_torch(obj):
+        if isinstance(obj, (np.ndarray, Shard)) or _is_torch(obj):
             return {"tensor": self._array(obj, path)}
         if type(obj) is dict:
             return {"dict": self._items(obj, path)}
@@ -130,6 +138,13 @@ class TreeEncoder:
         key = key_string(path)
         if isinstance(obj, bytes):
             leaf = ArrayLeaf(key, "bytes", dtypes.DTYPES["uint8"], np.frombuffer(obj, np.uint8))
+        elif isinstance(obj, Shard):
+            inner = TreeEncoder()
+            inner.encode(obj.data, path)
+            if len(inner.leaves) != 1:
+                raise UnsupportedTypeError(f"{key}: a Shard must hold a tensor or array")
+            leaf = replace(inner.leaves[0], global_shape=obj.global_shape, row_offset=obj.offset,
+                           storage_identity=None)
         elif isinstance(obj, np.ndarray):
             leaf = numpy_leaf(obj, key)
         else:
@@ -230,7 +245,7 @@ def flatten_arrays(obj: Any, path: Path = ()) -> dict[str, Any]:
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             out.update(flatten_arrays(v, (*path, i)))
-    elif isinstance(obj, np.ndarray) or _is_torch(obj):
+    elif isinstance(obj, (np.ndarray, Shard)) or _is_torch(obj):
         out[key_string(path)] = obj
     return out
 

@@ -27,7 +27,12 @@ import numpy as np
 from .budget import ByteBudget
 from .codecs import Codec
 from .dtypes import DType
-from .errors import CheckpointExistsError, CkptStoreError, ObjectExistsError
+from .errors import (
+    CheckpointExistsError,
+    CkptStoreError,
+    ObjectExistsError,
+    UnsupportedTypeError,
+)
 from .hashing import blob_key, digest
 from .manifest import ChunkRef, Manifest, StorageRef, TensorEntry, expected_chunk_count
 from .stores.base import Store
@@ -305,6 +310,11 @@ class CheckpointWriter:
               parent: str | None, manifest_key: str) -> Manifest:
         """Single-process save: write every blob, then commit. Raises CheckpointExistsError if
         the name was taken meanwhile; any other failure propagates and nothing is committed."""
+        partial = [leaf.key for leaf in leaves if leaf.is_partial]
+        if partial:
+            raise UnsupportedTypeError(
+                f"{partial[0]}: this process holds only some rows of the tensor (a Shard or "
+                "sharded DTensor); save it from every rank with CheckpointManager")
         plans = plan_leaves(leaves, self.options)
         refs = self.write_blobs(leaves, plans)
         specs = [TensorSpec.of(leaf) for leaf in leaves]
