@@ -61,3 +61,16 @@ __all__ += ["zarr_store"]
 from .sharding import Shard  # noqa: E402
 
 __all__ += ["Shard"]
+from .retention import Retention  # noqa: E402
+from .rng import RNGState  # noqa: E402
+
+
+def __getattr__(name: str):  # CheckpointManager imports torch: load it on first use
+    if name == "CheckpointManager":
+        from .manager import CheckpointManager
+
+        return CheckpointManager
+    raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")
+
+
+__all__ += ["CheckpointManager", "Retention", "RNGState"]

@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from .codecs import Codec, codec_option
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CkptStoreError,
     FormatError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -60,6 +61,16 @@ class CheckpointInfo:
     logical_bytes: int
     tensors: int
     parent: str | None
+
+
+@dataclass
+class SaveHooks:
+    """Extension points of a save, used by CheckpointManager: `collective` replaces the
+    single-process write+commit (multi-rank saves); `after_commit` runs after a successful
+    commit, inside the save (retention)."""
+
+    collective: Callable[..., Manifest | None] | None = None
+    after_commit: Callable[[SaveInfo], None] | None = None
 
 
 class SaveHandle:
@@ -233,6 +244,25 @@ class CheckpointStore:
             self._known.add_manifest(self.manifest(parent_name))
         return tree, encoder.leaves, metadata, parent_name
 
+    def _prepare_or_report(self, name: str, state: Any, metadata: dict[str, Any] | None,
+                           parent: str | None, hooks: SaveHooks | None
+                           ) -> tuple[Any, list, dict[str, Any], str | None]:
+        """`_prepare`; in a collective save a failure is handed to the collective (so every
+        rank learns of it) instead of raised here, where the other ranks would wait forever."""
+        if hooks is None or hooks.collective is None:
+            return self._prepare(name, state, metadata, parent)
+        try:
+            return self._prepare(name, state, metadata, parent)
+        except CkptStoreError as exc:
+            collective = hooks.collective
+            error = f"{type(exc).__name__}: {exc}"
+
+            def report(*args: Any) -> Any:
+                return collective(*args, prepare_error=error)  # type: ignore[call-arg]
+
+            hooks.collective = report
+            return {"none": None}, [], {}, None
+
     def _options(self, compression: str | Codec | None | type[...]) -> SaveOptions:
         if compression is ...:
             return self.save_options
@@ -241,18 +271,29 @@ class CheckpointStore:
         return replace(self.save_options, compression=codec_option(compression))  # type: ignore[arg-type]
 
     def _write(self, name: str, tree: Any, leaves: list, metadata: dict[str, Any],
-               parent: str | None, options: SaveOptions, t0: float, blocked: float) -> SaveInfo:
+               parent: str | None, options: SaveOptions, t0: float, blocked: float,
+               hooks: SaveHooks | None = None) -> SaveInfo:
         writer = CheckpointWriter(self.store, options, self._known)
-        manifest = writer.write(name, tree, leaves, metadata, parent, manifest_key(name))
-        with self._cache_lock:
-            self._manifests[name] = manifest
+        if hooks is not None and hooks.collective is not None:
+            manifest = hooks.collective(writer, name, tree, leaves, metadata, parent,
+                                        manifest_key(name))
+        else:
+            manifest = writer.write(name, tree, leaves, metadata, parent, manifest_key(name))
+        if manifest is not None:
+            with self._cache_lock:
+                self._manifests[name] = manifest
         s = writer.stats
-        return SaveInfo(name=name, tensors=len(leaves), logical_bytes=manifest.logical_bytes,
+        info = SaveInfo(name=name, tensors=len(leaves),
+                        logical_bytes=sum(leaf.nbytes for leaf in leaves) if manifest is None
+                        else manifest.logical_bytes,
                         written_bytes=s.written, reused_bytes=s.reused,
                         chunks_written=s.chunks_written, chunks_reused=s.chunks_reused,
                         seconds=time.perf_counter() - t0,
                         blocked_seconds=blocked if blocked >= 0 else time.perf_counter() - t0,
                         stage_seconds=dict(s.seconds), peak_extra_bytes=writer.budget.peak)
+        if hooks is not None and hooks.after_commit is not None:
+            hooks.after_commit(info)
+        return info
 
     def _wait_pending(self) -> None:
         """Wait for the save in flight; re-raise its error if nobody has seen it yet."""
@@ -267,7 +308,8 @@ class CheckpointStore:
                 raise
 
     def save(self, name: str, state: Any, metadata: dict[str, Any] | None = None, *,
-             parent: str | None = LATEST, compression: Any = ...) -> SaveInfo:
+             parent: str | None = LATEST, compression: Any = ...,
+             hooks: SaveHooks | None = None) -> SaveInfo:
         """Save `state` as checkpoint `name` and commit it; returns when it is durable.
 
         Chunks already in the store (known from `parent`, default the latest checkpoint, and
@@ -277,12 +319,14 @@ class CheckpointStore:
         t0 = time.perf_counter()
         with self._save_lock:
             self._wait_pending()
-            tree, leaves, metadata, parent = self._prepare(name, state, metadata, parent)
+            tree, leaves, metadata, parent = self._prepare_or_report(name, state, metadata,
+                                                                     parent, hooks)
             return self._write(name, tree, leaves, metadata, parent, self._options(compression),
-                               t0, -1.0)
+                               t0, -1.0, hooks)
 
     def save_async(self, name: str, state: Any, metadata: dict[str, Any] | None = None, *,
-                   parent: str | None = LATEST, compression: Any = ...) -> SaveHandle:
+                   parent: str | None = LATEST, compression: Any = ...,
+                   hooks: SaveHooks | None = None) -> SaveHandle:
         """Stage `state` (copy its arrays) and return; the write and commit run in the
         background. The caller may change its tensors as soon as this returns: the checkpoint
         holds their values at call time. One save is in flight at a time: this first waits for
@@ -290,12 +334,13 @@ class CheckpointStore:
         t0 = time.perf_counter()
         with self._save_lock:
             self._wait_pending()
-            tree, leaves, metadata, parent = self._prepare(name, state, metadata, parent)
+            tree, leaves, metadata, parent = self._prepare_or_report(name, state, metadata,
+                                                                     parent, hooks)
             staged = self._arena.stage(leaves)
             blocked = time.perf_counter() - t0
             options = self._options(compression)
             future = self._bg.submit(self._write, name, tree, staged, metadata, parent, options,
-                                     t0, blocked)
+                                     t0, blocked, hooks)
             handle = SaveHandle(future, name)
             self._pending = handle
             return handle

@@ -1,0 +1,213 @@
+"""CheckpointManager: save every N steps and resume, on one process or many.
+
+    mgr = ckptstore.CheckpointManager("runs/exp1", keep_last=3, keep_every=1000, async_save=True)
+    mgr.save(step, {"model": model, "optim": optimizer, "data": loader})
+    step = mgr.restore({"model": model, "optim": optimizer, "data": loader})  # None if none
+
+Values may be Stateful (`state_dict()` / `load_state_dict()`: modules, optimizers, schedulers,
+GradScaler, the dataloader) or plain nested state (dicts of tensors etc., restored in place).
+Checkpoints are named `step-<N>`; the latest is the one with the largest N. Under
+torch.distributed (initialized, world size > 1) `save` and `restore` are collective: every
+rank calls them with its own state (see ckptstore.distributed).
+
+Retention runs inside the save, after its commit: checkpoints the policy drops are deleted and
+exactly the blobs no remaining checkpoint references are removed (a targeted sweep, not an
+age-based gc; the next save cannot start before it ends).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import distributed as cdist
+from .errors import CkptStoreError, KeyMismatchError
+from .hashing import blob_key
+from .maintenance import referenced_blobs
+from .repository import CheckpointStore, SaveHandle, SaveHooks
+from .retention import Retention
+from .rng import RNGState
+from .tree import flatten_arrays
+from .writer import SaveInfo
+
+STEP_NAME = re.compile(r"step-(\d+)")
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None))
+
+
+class CheckpointManager:
+    """Periodic checkpoints of a training job with retention, sync or async, single or multi-rank."""
+
+    def __init__(self, uri_or_repo: str | CheckpointStore, *, keep_last: int | None = None,
+                 keep_every: int | None = None, async_save: bool = False,
+                 **repo_options: Any) -> None:
+        self.repo = (uri_or_repo if isinstance(uri_or_repo, CheckpointStore)
+                     else CheckpointStore(uri_or_repo, **repo_options))
+        self.retention = Retention(keep_last, keep_every)
+        self.async_save = async_save
+        self.distributed = cdist.is_distributed()
+        self.group = cdist.checkpoint_group() if self.distributed else None
+        self.rank = torch.distributed.get_rank() if self.distributed else 0
+        self._last: SaveHandle | None = None
+
+    # ------------------------------------------------------------------ names
+    @staticmethod
+    def name_of(step: int) -> str:
+        return f"step-{step}"
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints this manager's naming recognises, ascending."""
+        steps = []
+        for name in self.repo.names():
+            m = STEP_NAME.fullmatch(name)
+            if m:
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state: Mapping[str, Any],
+             metadata: dict[str, Any] | None = None) -> SaveInfo | SaveHandle:
+        """Checkpoint `state` as step `step`. Synchronous: returns SaveInfo once committed.
+        With async_save: returns a SaveHandle once the state is staged (the trainer may go on
+        changing its tensors). Collective under torch.distributed."""
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+        meta = dict(metadata or {})
+        meta.update(step=step, world_size=torch.distributed.get_world_size()
+                    if self.distributed else 1)
+        hooks = SaveHooks(after_commit=self._retain if self.rank == 0 else None)
+        if self.distributed:
+            group = self.group
+
+            def collective(writer: Any, *args: Any, prepare_error: str | None = None) -> Any:
+                return cdist.save_collective(writer, *args, group=group,
+                                             prepare_error=prepare_error)
+
+            hooks.collective = collective
+        name = self.name_of(step)
+        if self.async_save:
+            self._last = self.repo.save_async(name, plain, meta, hooks=hooks)
+            return self._last
+        return self.repo.save(name, plain, meta, hooks=hooks)
+
+    def _retain(self, info: SaveInfo) -> None:
+        drop = self.retention.to_delete(self.steps())
+        if not drop:
+            return
+        doomed: set[str] = set()
+        for step in drop:
+            name = self.name_of(step)
+            try:
+                doomed |= self.repo.manifest(name).blob_digests()
+                self.repo.delete(name)
+            except FileNotFoundError:
+                continue
+        still_used = referenced_blobs(self.repo)
+        for blob in doomed - still_used:
+            self.repo.store.delete(blob_key(blob))
+        self.repo.store.sync()
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
+        """Load the latest checkpoint (or `step`) into `state` in place and return its step;
+        None if there is none. Collective under torch.distributed: rank 0 picks the step."""
+        self.wait()
+        if step is None:
+            step = self.latest_step()
+        if self.distributed:
+            step = cdist.broadcast_json(step, self.group)
+        if step is None:
+            return None
+        into: dict[str, Any] = {}
+        for k, v in state.items():
+            if isinstance(v, torch.nn.Module) or not _is_stateful(v):
+                into[k] = v.state_dict() if _is_stateful(v) else v
+            elif not isinstance(v, RNGState) and _holds_shards(sd := v.state_dict()):
+                into[k] = sd  # sharded state (e.g. a sharded optimizer): read only our rows
+            # other Stateful objects get fresh tensors, adopted by their load_state_dict
+        loaded = self.repo.load(self.name_of(step), into=into, keys=list(state), strict=False)
+        missing = [k for k in state if k not in loaded]
+        if missing:
+            raise KeyMismatchError(f"checkpoint step {step} has no entries {missing}")
+        for k, v in state.items():
+            if isinstance(v, torch.nn.Module):
+                _finish_module(v, into[k], loaded[k])
+            elif _is_stateful(v):
+                v.load_state_dict(loaded[k])
+            else:
+                _assign_in_place(v, loaded[k], k)
+        return step
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait(self) -> SaveInfo | None:
+        """Wait for the save in flight; raises its error. Returns its SaveInfo if any."""
+        last, self._last = self._last, None
+        self.repo.wait()
+        return last.wait() if last is not None else None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.repo.close()
+            if self.group is not None:
+                torch.distributed.destroy_process_group(self.group)
+                self.group = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _holds_shards(state: Any) -> bool:
+    from .loading import local_part
+
+    arrays = flatten_arrays(state)
+    return any(local_part(v, k)[1] is not None for k, v in arrays.items())
+
+
+def _finish_module(module: torch.nn.Module, dest: Mapping[str, Any], loaded: Any) -> None:
+    """Tensors were filled in place; hand anything else (extra state) to load_state_dict."""
+    if set(dest) != set(loaded):
+        missing = sorted(set(dest) - set(loaded))
+        unexpected = sorted(set(loaded) - set(dest))
+        raise KeyMismatchError(f"module state mismatch: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
+    if any(not isinstance(v, torch.Tensor) for v in dest.values()):
+        module.load_state_dict(loaded)
+
+
+def _assign_in_place(dest: Any, loaded: Any, path: str) -> None:
+    """Copy non-tensor values of a plain state back into the caller's containers (tensors
+    were already filled in place)."""
+    if isinstance(dest, dict) and isinstance(loaded, dict):
+        for k, v in loaded.items():
+            if k in dest and isinstance(dest[k], (dict, list)):
+                _assign_in_place(dest[k], v, f"{path}.{k}")
+            elif k not in dest or dest[k] is not v:
+                dest[k] = v
+    elif isinstance(dest, list) and isinstance(loaded, list):
+        if len(dest) != len(loaded):
+            dest[:] = loaded
+            return
+        for i, v in enumerate(loaded):
+            if isinstance(dest[i], (dict, list)):
+                _assign_in_place(dest[i], v, f"{path}.{i}")
+            elif dest[i] is not v:
+                dest[i] = v
+    elif dest is not loaded:
+        raise CkptStoreError(f"{path}: cannot restore a {type(dest).__name__} in place; pass "
+                             "a dict, a list or a Stateful object")
