@@ -123,7 +123,7 @@ def _check_keys_exist(manifest: Manifest, keys: Iterable[str], paths: dict) -> N
 
 
 def _all_leaf_keys(node: Any, path: tuple = ()) -> list[str]:
-    kind, value = next(iter(node.items()))
+    kind, value = tree_mod.node_kind(node)
     if kind in ("dict", "odict"):
         return [k for (_t, key), child in value for k in _all_leaf_keys(child, (*path, key))]
     if kind in ("list", "tuple"):

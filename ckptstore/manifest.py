@@ -292,7 +292,7 @@ def _check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
         raise FormatError(f"state tree nested deeper than {MAX_TREE_DEPTH}")
     if not isinstance(node, dict) or not 1 <= len(node) <= 2:
         raise FormatError(f"tree node must be a one-field object, got {node!r:.80}")
-    kind = next(iter(node))
+    kind = next((k for k in node if k != "meta"), "meta")
     value = node[kind]
     if kind in ("dict", "odict"):
         extra = set(node) - {kind, "meta"}

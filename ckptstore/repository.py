@@ -280,6 +280,8 @@ class CheckpointStore:
         else:
             manifest = writer.write(name, tree, leaves, metadata, parent, manifest_key(name))
         if manifest is not None:
+            # cache what any reader will parse from the store, not the writer's own objects
+            manifest = parse_manifest(manifest.to_bytes(), expected_name=name)
             with self._cache_lock:
                 self._manifests[name] = manifest
         s = writer.stats

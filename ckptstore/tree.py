@@ -171,12 +171,20 @@ def numpy_leaf(arr: np.ndarray, key: str) -> ArrayLeaf:
 LeafLoader = Callable[[int], Any]
 
 
+def node_kind(node: dict[str, Any]) -> tuple[str, Any]:
+    """(kind, value) of a tree node; 'meta' is an extra field of odict nodes, not a kind."""
+    for kind, value in node.items():
+        if kind != "meta":
+            return kind, value
+    raise ValueError("tree node without a kind")
+
+
 def decode(node: Any, load_leaf: LeafLoader, keep: Callable[[str], bool] | None = None,
            path: Path = ()) -> Any:
     """Rebuild the state from a validated tree. `load_leaf(i)` returns tensor i's object.
     With `keep`, only leaves whose dotted key passes are kept, and containers left empty by the
     filter are dropped (returned as _DROP to the parent)."""
-    kind, value = next(iter(node.items()))
+    kind, value = node_kind(node)
     if kind in ("dict", "odict"):
         out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
         for (ktype, k), child in value:
@@ -222,7 +230,7 @@ _DROP: Any = _Drop()
 def leaf_paths(node: Any, path: Path = ()) -> dict[int, Path]:
     """Tensor index -> first path it appears at (for naming errors and partial loads)."""
     out: dict[int, Path] = {}
-    kind, value = next(iter(node.items()))
+    kind, value = node_kind(node)
     if kind in ("dict", "odict"):
         for (_t, k), child in value:
             for i, p in leaf_paths(child, (*path, k)).items():
