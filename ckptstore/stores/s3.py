@@ -38,6 +38,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import boto3
+import botocore.loaders
+import botocore.session
 import urllib3.exceptions
 from botocore.config import Config
 from botocore.exceptions import (
@@ -82,6 +84,29 @@ _BODY_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionError,
     TimeoutError,
 )
+
+class _Truncated(Exception):
+    """Internal: the body ended before the bytes the reply promised."""
+
+
+_RETRY_BODY: tuple[type[BaseException], ...] = (_Truncated, *_BODY_ERRORS)
+
+_CLIENT_LOCK = threading.Lock()
+_LOADER: Any = None  # botocore's model loader, shared: parsing the S3 model costs ~150 ms
+
+
+def _new_client(endpoint_url: str | None, region_name: str | None, config: Config) -> Any:
+    """A client of its own botocore session (credentials resolved afresh through the standard
+    chain) that shares only the read-only service-model cache with other stores."""
+    global _LOADER
+    with _CLIENT_LOCK:  # sessions are not thread-safe; client creation is not a hot path
+        if _LOADER is None:
+            _LOADER = botocore.loaders.create_loader()
+        core = botocore.session.Session()
+        core.register_component("data_loader", _LOADER)
+        session = boto3.session.Session(botocore_session=core, region_name=region_name)
+        return session.client("s3", endpoint_url=endpoint_url, config=config)
+
 
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 _EXISTS_CODES = frozenset({"PreconditionFailed", "412"})
@@ -200,10 +225,6 @@ def _multipart_etag(parts: list[dict[str, Any]]) -> str:
     return f'"{digest.hexdigest()}-{len(parts)}"'
 
 
-class _Truncated(Exception):
-    """Internal: the body ended before the bytes the reply promised."""
-
-
 class S3Store(Store):
     """Objects under ``s3://bucket/prefix``; store key 'a/b' is the S3 key 'prefix/a/b'.
 
@@ -211,6 +232,9 @@ class S3Store(Store):
     ``max_pool_connections`` should cover every thread that uses the store at once plus
     ``multipart_concurrency`` per concurrent large put.
     """
+
+    #: keys per ListObjectsV2 page (None: the server's default, 1000 on S3); tests lower it
+    _list_page_size: int | None = None
 
     def __init__(
         self,
@@ -230,7 +254,7 @@ class S3Store(Store):
         request_checksum_calculation: str | None = None,
         response_checksum_validation: str | None = None,
         addressing_style: str | None = None,
-        create: bool = True,
+        create: bool = False,
     ) -> None:
         self.bucket = validate_bucket(bucket)
         prefix = prefix.strip("/")
@@ -278,11 +302,7 @@ class S3Store(Store):
         if response_checksum_validation is not None:
             config_args["response_checksum_validation"] = response_checksum_validation
         try:
-            # a session of our own: boto3's default session is not thread-safe to create from
-            session = boto3.session.Session(region_name=region_name)
-            self._client = session.client(
-                "s3", endpoint_url=endpoint_url, config=Config(**config_args)
-            )
+            self._client = _new_client(endpoint_url, region_name, Config(**config_args))
         except BotoCoreError as exc:
             raise self._error(exc, "open") from exc
         self.endpoint = _safe_endpoint(self._client.meta.endpoint_url)
@@ -298,8 +318,8 @@ class S3Store(Store):
     def from_uri(cls, uri: str, **options: Any) -> S3Store:
         """Open ``s3://bucket[/prefix]``. Options are the keyword arguments of the class.
 
-        ``create=True`` (the default, like a local folder) creates the bucket if it is missing;
-        ``create=False`` raises StoreError naming the bucket instead.
+        A missing bucket raises StoreError naming it; ``create=True`` creates it instead (off
+        by default: a typo in a bucket name must not create a bucket in your account).
         """
         if not isinstance(uri, str):
             raise InvalidNameError(f"S3 URI must be a string, got {type(uri).__name__}")
@@ -507,7 +527,7 @@ class S3Store(Store):
                 if body.read(1):  # also makes botocore verify length and checksum
                     raise StoreError(f"read {self._where(key)}: server sent more than asked")
                 return None
-            except (_Truncated, *_BODY_ERRORS) as exc:
+            except _RETRY_BODY as exc:
                 failures += 1
                 if failures > self.read_retries:
                     raise StoreError(
@@ -668,12 +688,12 @@ class S3Store(Store):
         except ClientError as exc:
             if _error_code(exc)[0] == "NoSuchUpload":
                 return
-            logger.warning("could not abort multipart upload of %s/%s: %s (a bucket lifecycle "
-                           "rule for incomplete uploads will remove it)", self.uri, full,
-                           _error_code(exc)[0])
+            logger.warning("could not abort multipart upload of s3://%s/%s: %s (a bucket "
+                           "lifecycle rule for incomplete uploads would remove it)",
+                           self.bucket, full, _error_code(exc)[0])
         except BotoCoreError as exc:
-            logger.warning("could not abort multipart upload of %s/%s: %s", self.uri, full,
-                           type(exc).__name__)
+            logger.warning("could not abort multipart upload of s3://%s/%s: %s", self.bucket,
+                           full, type(exc).__name__)
 
     def delete(self, key: str) -> None:
         self._call("delete", key, self._client.delete_object, Key=self._key(key))
@@ -697,8 +717,12 @@ class S3Store(Store):
         validate_prefix(prefix)
         base = f"{self.prefix}/" if self.prefix else ""
         paginator = self._client.get_paginator("list_objects_v2")
+        paging = {"PageSize": self._list_page_size} if self._list_page_size else {}
         try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=base + prefix):
+            pages = paginator.paginate(
+                Bucket=self.bucket, Prefix=base + prefix, PaginationConfig=paging
+            )
+            for page in pages:
                 if "IsTruncated" not in page:
                     # a reply cut short parses as an empty success: never trust it
                     raise StoreError(f"list {self.uri}: malformed listing reply from "
@@ -722,6 +746,9 @@ class S3Store(Store):
                 return
             self._closed = True
         self._client.close()
+
+    def __enter__(self) -> S3Store:
+        return self
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri!r}, endpoint={self.endpoint!r})"
