@@ -9,6 +9,7 @@ All data is stored little-endian.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -23,17 +24,18 @@ class DType:
     storage: str  # numpy dtype string of the stored bits ('<f4', '|u1', ...)
     numpy_native: bool  # True if numpy has this type itself (so numpy arrays may use it)
 
-    @property
-    def itemsize(self) -> int:
-        return np.dtype(self.storage).itemsize
-
-    @property
+    # derived values are cached: they sit on hot paths (every tensor entry, every chunk)
+    @cached_property
     def numpy_dtype(self) -> np.dtype:
         return np.dtype(self.storage)
 
-    @property
+    @cached_property
+    def itemsize(self) -> int:
+        return self.numpy_dtype.itemsize
+
+    @cached_property
     def zarr_data_type(self) -> str:
-        return {"b": "bool"}.get(self.numpy_dtype.kind, self.numpy_dtype.name)
+        return "bool" if self.numpy_dtype.kind == "b" else self.numpy_dtype.name
 
 
 _TABLE = [

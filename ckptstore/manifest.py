@@ -7,8 +7,11 @@ zarr v3 array metadata document whose `attributes["ckptstore"]` holds what ckpts
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +29,20 @@ MAX_DIMS = 64
 #: No chunk may declare more raw bytes than this (bounds any single allocation on read).
 MAX_CHUNK_BYTES = 1 << 34
 TENSOR_KINDS = ("torch", "numpy", "bytes")
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: building or parsing a manifest allocates hundreds
+    of thousands of acyclic containers, and collections triggered by them cost more than the
+    work itself (2-3x for a 20,000-tensor manifest)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def canonical_json(doc: Any) -> bytes:
@@ -165,6 +182,10 @@ class Manifest:
         return {c.blob for t in self.tensors for c in t.chunks}
 
     def to_bytes(self) -> bytes:
+        with gc_paused():
+            return self._to_bytes()
+
+    def _to_bytes(self) -> bytes:
         doc = {
             "format": FORMAT_NAME, "version": self.version, "hash": HASH_NAME,
             "name": self.name, "created": self.created, "parent": self.parent,
@@ -353,6 +374,11 @@ def _check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
 
 def parse_manifest(data: bytes, expected_name: str | None = None) -> Manifest:
     """Parse and validate untrusted manifest bytes. Raises FormatError on anything wrong."""
+    with gc_paused():
+        return _parse_manifest(data, expected_name)
+
+
+def _parse_manifest(data: bytes, expected_name: str | None) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes")
     try:

@@ -31,7 +31,7 @@ from .errors import (
 )
 from .hashing import HASH_NAME
 from .loading import load_state
-from .manifest import Manifest, canonical_json, parse_manifest
+from .manifest import Manifest, canonical_json, gc_paused, parse_manifest
 from .names import validate_name
 from .reader import CheckpointReader, LoadOptions
 from .staging import StagingArena
@@ -238,7 +238,8 @@ class CheckpointStore:
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in {self.uri}; it "
                                         "was not touched")
         encoder = TreeEncoder()
-        tree = encoder.encode(state)
+        with gc_paused():
+            tree = encoder.encode(state)
         parent_name = self.latest() if parent == LATEST else parent
         if parent_name is not None:
             self._known.add_manifest(self.manifest(parent_name))
@@ -281,7 +282,8 @@ class CheckpointStore:
             manifest = writer.write(name, tree, leaves, metadata, parent, manifest_key(name))
         if manifest is not None:
             # cache what any reader will parse from the store, not the writer's own objects
-            manifest = parse_manifest(manifest.to_bytes(), expected_name=name)
+            manifest = parse_manifest(writer.committed or manifest.to_bytes(),
+                                      expected_name=name)
             with self._cache_lock:
                 self._manifests[name] = manifest
         s = writer.stats

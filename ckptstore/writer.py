@@ -179,6 +179,7 @@ class CheckpointWriter:
         self.stats = _Stats()
         self.budget = ByteBudget(options.max_inflight_bytes)
         self._claimed: set[str] = set()  # blobs written (or being written) by this save
+        self.committed: bytes | None = None  # the manifest bytes, once committed
         self._claim_lock = threading.Lock()
 
     # ---------------------------------------------------------------- one blob
@@ -294,8 +295,9 @@ class CheckpointWriter:
                 raise
         return refs
 
-    def commit(self, manifest: Manifest, manifest_key: str) -> None:
-        """Make the blobs durable, then create the manifest create-only."""
+    def commit(self, manifest: Manifest, manifest_key: str) -> bytes:
+        """Make the blobs durable, then create the manifest create-only. Returns the bytes
+        committed."""
         body = manifest.to_bytes()
         with self.stats.timed("commit"):
             self.store.sync()  # every blob durable before the manifest exists
@@ -305,6 +307,8 @@ class CheckpointWriter:
                 raise CheckpointExistsError(
                     f"checkpoint {manifest.name!r} already exists in {self.store.uri}; it was "
                     "not touched") from None
+        self.committed = body
+        return body
 
     def write(self, name: str, tree: Any, leaves: list[ArrayLeaf], metadata: dict[str, Any],
               parent: str | None, manifest_key: str) -> Manifest:
