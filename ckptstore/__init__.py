@@ -55,9 +55,6 @@ __all__ += [
     "SaveInfo",
     "VerifyReport",
 ]
-from .zarr_view import zarr_store  # noqa: E402
-
-__all__ += ["zarr_store"]
 from .sharding import Shard  # noqa: E402
 
 __all__ += ["Shard"]
@@ -70,7 +67,11 @@ def __getattr__(name: str):  # CheckpointManager imports torch: load it on first
         from .manager import CheckpointManager
 
         return CheckpointManager
+    if name == "zarr_store":  # zarr costs ~0.45 s to import; the CLI never needs it
+        from .zarr_view import zarr_store
+
+        return zarr_store
     raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")
 
 
-__all__ += ["CheckpointManager", "Retention", "RNGState"]
+__all__ += ["CheckpointManager", "Retention", "RNGState", "zarr_store"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numcodecs
 import numpy as np
 
 from .errors import FormatError, IntegrityError
@@ -30,6 +29,8 @@ class Codec:
             raise ValueError(f"unknown codec {self.id!r}; choose one of {', '.join(CODEC_IDS)}")
 
     def _numcodec(self, typesize: int) -> Any:
+        import numcodecs  # ~0.2-0.35 s to import: only when a codec is actually used
+
         if self.id == "zstd":
             return numcodecs.Zstd(level=self.level)
         if self.id == "lz4":

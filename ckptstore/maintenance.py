@@ -57,9 +57,9 @@ class VerifyReport:
 
 
 def _check_blob(repo: CheckpointStore, blob: str,
-                uses: list[tuple[str, TensorEntry, ChunkRef]]) -> tuple[int, str, str] | None:
-    """Read a whole blob, check its digest and every chunk that lives in it. Returns None if
-    good, else (bytes read, problem, detail)."""
+                uses: list[tuple[str, TensorEntry, ChunkRef]]) -> tuple[int, str, str]:
+    """Read a whole blob, check its digest and every chunk that lives in it. Returns
+    (bytes read, "ok", "") if good, else (bytes read, problem, detail)."""
     try:
         data = repo.store.get(blob_key(blob))
     except ObjectNotFoundError:
@@ -84,7 +84,7 @@ def _check_blob(repo: CheckpointStore, blob: str,
             return (len(data), "corrupt", str(exc))
         if digest(out) != chunk.digest:
             return (len(data), "corrupt", f"decoded chunk of {entry.key!r} does not match")
-    return None
+    return (len(data), "ok", "")
 
 
 def verify(repo: CheckpointStore, manifests: list[Manifest], sample: float = 1.0,
@@ -110,11 +110,9 @@ def verify(repo: CheckpointStore, manifests: list[Manifest], sample: float = 1.0
             report.blobs_checked += 1
             if progress is not None:
                 progress(1)
-            size = sum(c.size for _n, _t, c in uses[blob])
-            if result is None:
-                report.bytes_checked += size
+            report.bytes_checked += result[0]  # bytes actually read, once per blob
+            if result[1] == "ok":
                 continue
-            report.bytes_checked += result[0]
             names = tuple(sorted({n for n, _t, _c in uses[blob]}))
             keys = tuple(sorted({t.key for _n, t, _c in uses[blob]}))
             report.problems.append(BlobProblem(blob, result[1], result[2], names, keys))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from . import distributed as cdist
+from . import leases
 from .errors import CkptStoreError, KeyMismatchError
 from .hashing import blob_key
 from .maintenance import referenced_blobs
@@ -113,10 +114,17 @@ class CheckpointManager:
                 self.repo.delete(name)
             except FileNotFoundError:
                 continue
-        still_used = referenced_blobs(self.repo)
-        for blob in doomed - still_used:
-            self.repo.store.delete(blob_key(blob))
-        self.repo.store.sync()
+        # The sweep deletes at once (no grace period), so it must not run while another
+        # process saves into this store: skip it then; a later `ckpt gc` collects the blobs.
+        # (Runs after this save's own lease is released: see CheckpointStore._write.)
+        try:
+            with leases.gc_lease(self.repo.store, wait=0):
+                still_used = referenced_blobs(self.repo)
+                for blob in doomed - still_used:
+                    self.repo.store.delete(blob_key(blob))
+                self.repo.store.sync()
+        except leases.LeaseBusyError:
+            pass
 
     # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], step: int | None = None) -> int | None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from . import maintenance
+from . import leases, maintenance
 from .codecs import Codec, codec_option
 from .errors import (
     CheckpointExistsError,
@@ -111,7 +111,12 @@ class CheckpointStore:
     def __init__(self, uri: str | os.PathLike[str] | Store, *, create: bool = True, chunk_bytes: int | None = None,
                  compression: str | Codec | None = None, workers: int = 8,
                  max_inflight_bytes: int | None = None, **store_options: Any) -> None:
-        self.store = open_store(uri, **store_options) if not isinstance(uri, Store) else uri
+        if not isinstance(uri, Store) and not create and not str(uri).startswith("memory://"):
+            store_options.setdefault("create", False)  # a typo must not make a folder/bucket
+        try:
+            self.store = open_store(uri, **store_options) if not isinstance(uri, Store) else uri
+        except ObjectNotFoundError:
+            raise RepositoryNotFoundError(f"no ckptstore repository at {uri}") from None
         self.uri = self.store.uri
         defaults = SaveOptions()
         self.save_options = SaveOptions(
@@ -241,6 +246,9 @@ class CheckpointStore:
         with gc_paused():
             tree = encoder.encode(state)
         parent_name = self.latest() if parent == LATEST else parent
+        # Only the parent's chunks are known to exist: chunks remembered from earlier saves
+        # may belong to checkpoints deleted (and swept by retention or gc) since.
+        self._known = KnownChunks()
         if parent_name is not None:
             self._known.add_manifest(self.manifest(parent_name))
         return tree, encoder.leaves, metadata, parent_name
@@ -273,7 +281,7 @@ class CheckpointStore:
 
     def _write(self, name: str, tree: Any, leaves: list, metadata: dict[str, Any],
                parent: str | None, options: SaveOptions, t0: float, blocked: float,
-               hooks: SaveHooks | None = None) -> SaveInfo:
+               hooks: SaveHooks | None = None, lease: leases.Lease | None = None) -> SaveInfo:
         writer = CheckpointWriter(self.store, options, self._known)
         if hooks is not None and hooks.collective is not None:
             manifest = hooks.collective(writer, name, tree, leaves, metadata, parent,
@@ -295,6 +303,8 @@ class CheckpointStore:
                         seconds=time.perf_counter() - t0,
                         blocked_seconds=blocked if blocked >= 0 else time.perf_counter() - t0,
                         stage_seconds=dict(s.seconds), peak_extra_bytes=writer.budget.peak)
+        if lease is not None:
+            lease.release()  # committed: after_commit (retention's sweep) may take a gc lease
         if hooks is not None and hooks.after_commit is not None:
             hooks.after_commit(info)
         return info
@@ -323,10 +333,12 @@ class CheckpointStore:
         t0 = time.perf_counter()
         with self._save_lock:
             self._wait_pending()
-            tree, leaves, metadata, parent = self._prepare_or_report(name, state, metadata,
-                                                                     parent, hooks)
-            return self._write(name, tree, leaves, metadata, parent, self._options(compression),
-                               t0, -1.0, hooks)
+            # the lease spans reading the parent (whose chunks are reused) to the commit
+            with leases.save_lease(self.store) as lease:
+                tree, leaves, metadata, parent = self._prepare_or_report(name, state, metadata,
+                                                                         parent, hooks)
+                return self._write(name, tree, leaves, metadata, parent,
+                                   self._options(compression), t0, -1.0, hooks, lease)
 
     def save_async(self, name: str, state: Any, metadata: dict[str, Any] | None = None, *,
                    parent: str | None = LATEST, compression: Any = ...,
@@ -338,13 +350,25 @@ class CheckpointStore:
         t0 = time.perf_counter()
         with self._save_lock:
             self._wait_pending()
-            tree, leaves, metadata, parent = self._prepare_or_report(name, state, metadata,
-                                                                     parent, hooks)
-            staged = self._arena.stage(leaves)
+            lease = leases.acquire_save(self.store)  # released when the background write ends
+            try:
+                tree, leaves, metadata, parent = self._prepare_or_report(name, state, metadata,
+                                                                         parent, hooks)
+                staged = self._arena.stage(leaves)
+            except BaseException:
+                lease.release()
+                raise
             blocked = time.perf_counter() - t0
             options = self._options(compression)
-            future = self._bg.submit(self._write, name, tree, staged, metadata, parent, options,
-                                     t0, blocked, hooks)
+
+            def write() -> SaveInfo:
+                try:
+                    return self._write(name, tree, staged, metadata, parent, options, t0,
+                                       blocked, hooks, lease)
+                finally:
+                    lease.release()
+
+            future = self._bg.submit(write)
             handle = SaveHandle(future, name)
             self._pending = handle
             return handle
@@ -373,8 +397,12 @@ class CheckpointStore:
         return maintenance.verify(self, [self.manifest(name)], sample=sample)
 
     def gc(self, grace_seconds: float = 3600.0, dry_run: bool = False) -> maintenance.GcReport:
-        """Delete blobs no manifest references that are older than `grace_seconds`."""
-        return maintenance.gc(self, grace_seconds=grace_seconds, dry_run=dry_run)
+        """Delete blobs no manifest references that are older than `grace_seconds`. Raises
+        LeaseBusyError (nothing deleted) while a save holds a lease on this store."""
+        if dry_run:
+            return maintenance.gc(self, grace_seconds=grace_seconds, dry_run=True)
+        with leases.gc_lease(self.store):
+            return maintenance.gc(self, grace_seconds=grace_seconds, dry_run=False)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -1,0 +1,272 @@
+"""Leases: how saves and garbage collection in different processes keep out of each other's way.
+
+The grace period alone does not make gc safe: with `--grace 0` a save's fresh blobs are
+deleted before its manifest commits, and even with a long grace a save may reuse (or re-put)
+a blob that gc has already chosen to delete. Leases close that gap (restic's lock design):
+
+* A lease is an object ``locks/<kind>-<32 hex>.json`` in the store, kind ``save`` or ``gc``,
+  holding ``{"kind", "host", "pid", "pidns", "created"}`` (no secrets). Its holder re-writes
+  it every `refresh` seconds. A lease is stale, and ignored, when its object was last written
+  more than `stale_after` seconds ago (store mtime against the observer's clock), or at once
+  when it was written on this machine, in this PID namespace (same boot id and namespace),
+  by a process that no longer exists (a save killed with SIGKILL does not block gc).
+* A save (anything that writes blobs and then commits a manifest) writes its lease, then
+  lists the leases; while a live gc lease exists it waits, keeping its own lease.
+* gc writes its lease, then lists; if a live save lease exists it removes its own lease and
+  retries every `poll` seconds until `wait` runs out, then raises LeaseBusyError.
+* Each party writes its own lease before it lists the other's, and listings are
+  read-after-write consistent (POSIX folders, S3 since 2020, MinIO), so of two racing parties
+  at least one sees the other: gc never deletes while a lease-holding save is between its
+  first blob write and its commit.
+
+Contract for holders: call `Lease.check()` right before an irreversible step (a commit, a
+deletion batch); it raises if the lease could not be refreshed for so long that others may
+consider it stale. Writers that take no lease (for example `CheckpointStore.save` in this
+version) are protected only by the grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from .errors import CkptStoreError, ObjectNotFoundError, StoreError
+from .stores.base import ObjectInfo, Store
+
+LOCK_PREFIX = "locks/"
+KINDS = ("save", "gc")
+STALE_AFTER = 300.0
+REFRESH = 30.0
+
+
+class LeaseBusyError(CkptStoreError):
+    """The operation could not start because a conflicting lease is live (try again later)."""
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A lease seen in a listing."""
+
+    key: str
+    kind: str
+    age: float  # seconds since its object was last written
+    holder: str  # "host:pid" when readable, else "?"
+    dead: bool = False  # its process is known to be gone (same machine and PID namespace)
+
+
+def _pid_namespace() -> str:
+    """Boot id + PID-namespace inode: equal only for processes that see the same PIDs.
+    Empty where /proc does not tell (then liveness is judged by age alone)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+_PIDNS = _pid_namespace()
+_HOST = socket.gethostname()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _parse_key(key: str) -> str | None:
+    name = key[len(LOCK_PREFIX):]
+    kind, sep, rest = name.partition("-")
+    if not sep or kind not in KINDS or not rest.endswith(".json") or "/" in rest:
+        return None
+    return kind
+
+
+def list_leases(store: Store, stale_after: float = STALE_AFTER,
+                include_stale: bool = False) -> list[LeaseInfo]:
+    """Leases in `store` (live ones only unless `include_stale`), oldest first."""
+    now = time.time()
+    out = []
+    for info in store.list(LOCK_PREFIX):
+        kind = _parse_key(info.key)
+        if kind is None:
+            continue
+        age = now - info.mtime
+        if age > stale_after and not include_stale:
+            continue
+        holder, dead = _holder(store, info)
+        if dead and not include_stale:
+            continue
+        out.append(LeaseInfo(info.key, kind, age, holder, dead))
+    return sorted(out, key=lambda lease: -lease.age)
+
+
+def _holder(store: Store, info: ObjectInfo) -> tuple[str, bool]:
+    """("host:pid", whether that process is known to be gone)."""
+    try:
+        doc = json.loads(store.get(info.key))
+        host, pid, pidns = doc["host"], doc["pid"], doc.get("pidns", "")
+    except (CkptStoreError, ValueError, KeyError, TypeError):
+        return "?", False
+    dead = (bool(_PIDNS) and pidns == _PIDNS and host == _HOST and type(pid) is int
+            and pid != os.getpid() and not _alive(pid))
+    return f"{host}:{pid}", dead
+
+
+def describe(leases: list[LeaseInfo]) -> str:
+    parts = [f"{lease.holder} ({lease.age:.0f}s ago)" for lease in leases[:3]]
+    more = f" and {len(leases) - 3} more" if len(leases) > 3 else ""
+    return ", ".join(parts) + more
+
+
+class Lease:
+    """A lease held by this process. Use `acquire_save` / `acquire_gc`, or the context
+    managers `save_lease` / `gc_lease`. Thread-safe; `release` is idempotent."""
+
+    def __init__(self, store: Store, kind: str, *, stale_after: float = STALE_AFTER,
+                 refresh: float | None = None) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"lease kind must be one of {KINDS}")
+        if stale_after <= 0:
+            raise ValueError("stale_after must be positive")
+        self.store = store
+        self.kind = kind
+        self.stale_after = stale_after
+        self.refresh = refresh if refresh is not None else min(REFRESH, stale_after / 4)
+        self.key = f"{LOCK_PREFIX}{kind}-{uuid.uuid4().hex}.json"
+        self._body = json.dumps({"kind": kind, "host": _HOST, "pid": os.getpid(),
+                                 "pidns": _PIDNS, "created": time.time()},
+                                sort_keys=True).encode()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_ok = 0.0
+        self._lock = threading.Lock()
+
+    def write(self) -> None:
+        """Write (or re-write) the lease object; records when that last succeeded."""
+        t = time.time()
+        self.store.put(self.key, self._body)
+        with self._lock:
+            self._last_ok = t
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.refresh):
+            try:
+                self.write()
+            except CkptStoreError:
+                pass  # `check` reports it when it matters
+
+    def start_heartbeat(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._heartbeat, daemon=True,
+                                            name=f"ckpt-lease-{self.kind}")
+            self._thread.start()
+
+    def check(self) -> None:
+        """Raise StoreError if the lease may look stale to others (refresh kept failing)."""
+        with self._lock:
+            age = time.time() - self._last_ok
+        if age > self.stale_after / 2:
+            raise StoreError(f"{self.kind} lease in {self.store.uri} could not be refreshed for "
+                             f"{age:.0f}s; stopping before an unsafe step")
+
+    def others(self) -> list[LeaseInfo]:
+        return [lease for lease in list_leases(self.store, self.stale_after)
+                if lease.key != self.key]
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        try:
+            self.store.delete(self.key)
+        except CkptStoreError:
+            pass  # it goes stale on its own
+
+
+def acquire_save(store: Store, *, wait: float | None = None, poll: float = 0.5,
+                 stale_after: float = STALE_AFTER) -> Lease:
+    """Take a save lease; wait while a live gc lease exists (at most `wait` seconds; None:
+    as long as the gc keeps its lease alive). Raises LeaseBusyError when the wait runs out."""
+    lease = Lease(store, "save", stale_after=stale_after)
+    lease.write()
+    lease.start_heartbeat()
+    deadline = None if wait is None else time.monotonic() + wait
+    try:
+        while True:
+            gcs = [o for o in lease.others() if o.kind == "gc"]
+            if not gcs:
+                return lease
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LeaseBusyError(f"a gc is running in {store.uri}: {describe(gcs)}")
+            time.sleep(poll)
+    except BaseException:
+        lease.release()
+        raise
+
+
+def acquire_gc(store: Store, *, wait: float = 0.0, poll: float = 1.0,
+               stale_after: float = STALE_AFTER) -> Lease:
+    """Take a gc lease once no live save lease exists, retrying for at most `wait` seconds.
+    Raises LeaseBusyError naming the saves in progress."""
+    deadline = time.monotonic() + wait
+    while True:
+        lease = Lease(store, "gc", stale_after=stale_after)
+        lease.write()
+        try:
+            saves = [o for o in lease.others() if o.kind == "save"]
+        except BaseException:
+            lease.release()
+            raise
+        if not saves:
+            lease.start_heartbeat()
+            return lease
+        lease.release()  # back off: saves have priority, so they never wait on a waiting gc
+        if time.monotonic() >= deadline:
+            raise LeaseBusyError(f"{len(saves)} save(s) in progress in {store.uri}: "
+                                 f"{describe(saves)}; nothing was deleted")
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+
+
+@contextmanager
+def save_lease(store: Store, **kwargs: float | None) -> Iterator[Lease]:
+    """`with save_lease(repo.store): repo.save(...)` — protects the save from concurrent gc."""
+    lease = acquire_save(store, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+@contextmanager
+def gc_lease(store: Store, **kwargs: float) -> Iterator[Lease]:
+    lease = acquire_gc(store, **kwargs)
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def remove_stale(store: Store, stale_after: float = STALE_AFTER) -> int:
+    """Delete stale lease objects (left by dead processes)."""
+    n = 0
+    for lease in list_leases(store, stale_after, include_stale=True):
+        if lease.age > stale_after or lease.dead:
+            try:
+                store.delete(lease.key)
+                n += 1
+            except ObjectNotFoundError:
+                pass
+    return n
