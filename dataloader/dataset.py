@@ -1,0 +1,342 @@
+"""StreamingDataset: a dataset in a store, read window by window in a deterministic order.
+
+Use it through `StreamingLoader` (threads, batches, exact resume), or iterate it directly /
+under torch's DataLoader (IterableDataset protocol: one sample dict at a time; torch workers
+split the rank's items in runs of `batch_size`, so torch's round-robin collation of worker
+batches restores the rank's order when its batch_size matches).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ckptstore.errors import ObjectNotFoundError
+from ckptstore.stores import Store, open_store
+
+from .cache import ChunkCache
+from .errors import DatasetNotFoundError
+from .format import INDEX_KEY, DatasetIndex, FieldInfo
+from .metrics import Metrics
+from .order import BALANCE, EpochOrder, Piece, advance, rank_plan
+from .pipeline import Executors, iter_windows
+from .reader import BlockReader
+from .state import Progress, fresh, from_state, to_state
+from .views import PlainView
+
+_DEFAULT_WINDOW_BYTES = 32 << 20
+
+
+def detect_topology() -> tuple[int, int]:
+    """(rank, world_size) from torch.distributed when it is initialized, else (0, 1).
+    torch is only consulted if the program imported it already."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return 0, 1
+
+
+def register_with_torch() -> bool:
+    """Make torch's DataLoader treat StreamingDataset as an IterableDataset (a virtual
+    subclass, so this module never imports torch). Done automatically when a dataset is created
+    after torch was imported; call it yourself otherwise. Returns True if torch was found."""
+    data = sys.modules.get("torch.utils.data")
+    if data is None:
+        return False
+    if not issubclass(StreamingDataset, data.IterableDataset):
+        data.IterableDataset.register(StreamingDataset)
+    return True
+
+
+def _torch_worker() -> tuple[int, int]:
+    data = sys.modules.get("torch.utils.data")
+    info = data.get_worker_info() if data is not None else None
+    return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+class StreamingDataset:
+    """A dataset written by `write_dataset`, streamed from any ckptstore store.
+
+    Order: with `shuffle`, blocks are permuted per epoch and items permuted within windows of
+    about `shuffle_window` samples (default: ~32 MiB of data); the order depends only on
+    (seed, epoch, dataset). Ranks: `rank`/`world_size` default to torch.distributed's (else
+    0/1); each rank gets a contiguous, near-equal share of the epoch; `balance` 'drop' or 'pad'
+    makes the shares exactly equal. Reading: `fields` selects columns; `cache_dir` (with
+    `cache_limit_bytes`) keeps verified chunks locally; `io_threads` and `prefetch_bytes`
+    apply when the dataset is iterated directly (StreamingLoader has its own).
+    """
+
+    kind = "dataset"
+
+    def __init__(
+        self,
+        uri: str | Store,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        shuffle_window: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        balance: str = "none",
+        fields: Sequence[str] | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int = 16 << 30,
+        io_threads: int = 4,
+        prefetch_bytes: int = 128 << 20,
+        merge_gap: int = 1 << 20,
+        max_request: int = 16 << 20,
+        batch_size: int = 1,
+        store_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if balance not in BALANCE:
+            raise ValueError(f"balance must be one of {BALANCE}, got {balance!r}")
+        if (rank is None) != (world_size is None):
+            raise ValueError("give both rank and world_size, or neither")
+        if world_size is not None and not 0 <= int(rank or 0) < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.uri = uri if isinstance(uri, str) else uri.uri
+        self.store = open_store(uri, **dict(store_options or {}))
+        try:
+            raw = self.store.get(INDEX_KEY)
+        except ObjectNotFoundError:
+            raise DatasetNotFoundError(
+                f"{self.store.uri}: no dataset here ({INDEX_KEY} is missing;"
+                " was the write finished?)"
+            ) from None
+        self.index = DatasetIndex.from_bytes(raw, f"{self.store.uri}/{INDEX_KEY}")
+        self.fields: tuple[FieldInfo, ...] = self._select_fields(fields)
+        self.shuffle, self.seed = bool(shuffle), seed
+        self.balance = balance
+        self._rank, self._world = rank, world_size
+        rows = self.index.rows_per_chunk
+        if shuffle_window is None:
+            nb = self.index.block_nbytes(self.fields)
+            per_block = float(nb.mean()) if len(nb) else 1.0
+            k = max(1, round(_DEFAULT_WINDOW_BYTES / max(per_block, 1.0)))
+        else:
+            if shuffle_window < 1:
+                raise ValueError("shuffle_window must be >= 1 sample")
+            k = max(1, math.ceil(shuffle_window / rows))
+        self.window_blocks = int(min(k, max(1, self.index.num_blocks)))
+        self.metrics = Metrics()
+        self.cache = ChunkCache(cache_dir, cache_limit_bytes) if cache_dir else None
+        self.reader = BlockReader(
+            self.store,
+            self.index,
+            cache=self.cache,
+            merge_gap=merge_gap,
+            max_request=max_request,
+            metrics=self.metrics,
+            fields=[f.name for f in self.fields],
+        )
+        self._block_nbytes = self.index.block_nbytes(self.fields)
+        self.io_threads, self.prefetch_bytes = io_threads, prefetch_bytes
+        self.batch_size = max(1, int(batch_size))
+        self._epoch = 0
+        self._resume: Progress | None = None
+        self._orders: dict[int, EpochOrder] = {}
+        self._direct: tuple[Progress, int] | None = None
+        register_with_torch()
+
+    def _select_fields(self, names: Sequence[str] | None) -> tuple[FieldInfo, ...]:
+        if names is None:
+            return self.index.fields
+        return tuple(self.index.field(n) for n in names)
+
+    # -- identity and order --------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        return self.index.fingerprint
+
+    @property
+    def num_samples(self) -> int:
+        return self.index.num_samples
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next pass reads (a loaded state for another epoch is dropped)."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        self._epoch = epoch
+        if self._resume is not None and self._resume.epoch != epoch:
+            self._resume = None
+
+    def topology(self) -> tuple[int, int]:
+        if self._world is not None:
+            return int(self._rank or 0), int(self._world)
+        return detect_topology()
+
+    def order_options(self) -> dict[str, Any]:
+        """What the global order depends on besides the dataset (kept in states)."""
+        return {
+            "mode": "samples",
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "window_blocks": self.window_blocks,
+        }
+
+    def epoch_order(self, epoch: int) -> EpochOrder:
+        order = self._orders.get(epoch)
+        if order is None:
+            order = EpochOrder.build(
+                self.index.block_rows(),
+                seed=self.seed,
+                epoch=epoch,
+                shuffle=self.shuffle,
+                window_blocks=self.window_blocks,
+                items_per_window=self._items_fn(),
+            )
+            self._orders = {epoch: order}
+        return order
+
+    def _items_fn(self) -> Any:
+        """Items per window, given the windows' block ids (None: one item per sample)."""
+        return None
+
+    # -- windows ---------------------------------------------------------------------------
+    def window_nbytes(self, order: EpochOrder, w: int) -> int:
+        return int(self._block_nbytes[order.window_blocks_of(w)].sum())
+
+    def load_window(self, order: EpochOrder, w: int, io: Any) -> Any:
+        """Fetch and decode window `w` of `order` (requests on executor `io`); return its view."""
+        blocks = [int(b) for b in order.window_blocks_of(w)]
+        data = self.reader.load_blocks(blocks, io)
+        return self.make_view(order, w, blocks, data)
+
+    def make_view(self, order: EpochOrder, w: int, blocks: list[int], data: list[Any]) -> Any:
+        n = int(self.index.block_rows()[blocks].sum())
+        return PlainView(
+            self.fields, blocks, data, self.index.rows_per_chunk, order.sample_perm(w, n)
+        )
+
+    def finish_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return batch
+
+    # -- progress and state ----------------------------------------------------------------
+    def begin(self, epoch: int) -> Progress:
+        """The starting position of a pass over `epoch` (consumes a loaded state)."""
+        rank, world = self.topology()
+        r, self._resume = self._resume, None
+        if r is None or r.epoch != epoch:
+            return fresh(epoch, world, self.balance)
+        if r.world_size == world and r.balance == self.balance:
+            return r
+        total = self.epoch_order(epoch).total
+        base = advance(total, r.base, r.world_size, r.balance, r.consumed)
+        return Progress(epoch, base, world, self.balance, 0)
+
+    def pieces(self, progress: Progress) -> tuple[EpochOrder, list[Piece], int]:
+        """(order, pieces still to deliver, their item count) for this rank."""
+        rank, world = self.topology()
+        order = self.epoch_order(progress.epoch)
+        plan = rank_plan(order.total, progress.base, world, rank, progress.balance)
+        segs = plan.after(progress.consumed)
+        return order, order.pieces(segs), sum(b - a for a, b in segs)
+
+    def peek_progress(self) -> Progress:
+        """Where the next pass would start (without consuming a loaded state)."""
+        rank, world = self.topology()
+        r = self._resume
+        if r is not None and r.epoch == self._epoch:
+            if r.world_size == world and r.balance == self.balance:
+                return r
+            total = self.epoch_order(r.epoch).total
+            return Progress(
+                r.epoch,
+                advance(total, r.base, r.world_size, r.balance, r.consumed),
+                world,
+                self.balance,
+                0,
+            )
+        return fresh(self._epoch, world, self.balance)
+
+    def make_state(
+        self, progress: Progress, kind: str | None = None, **extra: Any
+    ) -> dict[str, Any]:
+        return to_state(
+            kind or self.kind,
+            self.fingerprint,
+            self.order_options(),
+            progress,
+            self.topology()[0],
+            **extra,
+        )
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """State after the consumer has seen `consumed` items of the current pass (default:
+        the number this object yielded itself when iterated directly)."""
+        if self._direct is not None:
+            progress, own = self._direct
+            n = own if consumed is None else consumed
+            return self.make_state(progress.with_consumed(progress.consumed + n))
+        progress = self.peek_progress()
+        if consumed:
+            progress = progress.with_consumed(progress.consumed + consumed)
+        return self.make_state(progress)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a state of this dataset (any rank's; ranks run in lockstep). Raises
+        StateMismatchError for another dataset's state or other ordering options."""
+        progress = from_state(
+            dict(state), ("dataset", "loader"), self.fingerprint, self.order_options()
+        )
+        self._resume = progress
+        self._epoch = progress.epoch
+        self._direct = None
+
+    # -- IterableDataset protocol ----------------------------------------------------------
+    def __len__(self) -> int:
+        return self.pieces(self.peek_progress())[2]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        progress = self.begin(self._epoch)
+        order, pieces, _ = self.pieces(progress)
+        wid, nw = _torch_worker()
+        if nw > 1:
+            pieces = _worker_pieces(pieces, wid, nw, self.batch_size)
+        self._direct = (progress, 0)
+        executors = Executors(self.io_threads)
+        try:
+            views = iter_windows(
+                pieces,
+                lambda w: self.load_window(order, w, executors.io),
+                lambda w: self.window_nbytes(order, w),
+                executors,
+                self.prefetch_bytes,
+            )
+            count = 0
+            for piece, view in views:
+                for i in range(piece.start, piece.stop):
+                    sample = view.sample(i)
+                    count += 1
+                    self._direct = (progress, count)
+                    yield sample
+        finally:
+            executors.shutdown()
+
+
+def _worker_pieces(pieces: list[Piece], wid: int, nw: int, run: int) -> list[Piece]:
+    """The sub-pieces of torch worker `wid`: rank positions p with (p // run) % nw == wid."""
+    out: list[Piece] = []
+    pos = 0
+    for p in pieces:
+        i = p.start
+        while i < p.stop:
+            k = pos // run
+            run_end = (k + 1) * run
+            n = min(p.stop - i, run_end - pos)
+            if k % nw == wid:
+                if out and out[-1].window == p.window and out[-1].stop == i:
+                    out[-1] = Piece(p.window, out[-1].start, i + n)
+                else:
+                    out.append(Piece(p.window, i, i + n))
+            i += n
+            pos += n
+    return out

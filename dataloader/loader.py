@@ -1,0 +1,147 @@
+"""StreamingLoader: batches from a StreamingDataset, prefetched by threads, exactly resumable.
+
+Workers are threads (I/O, xxh3 and numpy release the GIL): `num_workers` request threads plus
+two window-assembly threads and one producer thread that cuts batches ahead of the consumer
+into a queue of `prefetch_batches`. The rank's item order does not depend on `num_workers`, so
+neither does the state. `num_workers=0` runs everything in the consumer's thread.
+
+State semantics: `state_dict()` describes the position after the batches already *returned*
+to the caller. Loading it and iterating continues with exactly the next item. One rank's
+state is enough for every rank (ranks run in lockstep: same batch size, same number of steps).
+A new `iter()` after a finished pass moves to the next epoch; after an unfinished one it
+restarts the pass from its starting point (like torch's DataLoader).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .collate import Collate, resolve
+from .dataset import StreamingDataset
+from .metrics import Metrics
+from .pipeline import BackgroundIterator, Executors, iter_batches, iter_windows, timed_batches
+from .state import Progress, fresh
+from .views import Batch, batch_len
+
+
+class StreamingLoader:
+    """Iterate batches (dicts of numpy arrays / lists, or torch tensors with collate='torch').
+
+    `prefetch_bytes` bounds the decoded bytes of windows loaded ahead of the one in use.
+    """
+
+    def __init__(
+        self,
+        dataset: StreamingDataset,
+        batch_size: int = 1,
+        *,
+        num_workers: int = 4,
+        prefetch_bytes: int = 256 << 20,
+        prefetch_batches: int = 4,
+        drop_last: bool = False,
+        collate: Collate = "numpy",
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.num_workers = int(num_workers)
+        self.prefetch_bytes = int(prefetch_bytes)
+        self.prefetch_batches = int(prefetch_batches)
+        self.drop_last = bool(drop_last)
+        self._collate = resolve(collate)
+        self.metrics: Metrics = dataset.metrics
+        self._progress: Progress | None = None
+        self._delivered = 0
+        self._finished = False
+        self._active: Any = None
+        self._lock = threading.Lock()
+
+    # -- epochs ------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+        self._finished = False
+        self._progress = None
+
+    @property
+    def epoch(self) -> int:
+        return self.dataset.epoch
+
+    def __len__(self) -> int:
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    # -- iteration ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        ds = self.dataset
+        self.close()
+        if self._finished:
+            ds.set_epoch(ds.epoch + 1)
+            self._finished = False
+        progress = ds.begin(ds.epoch)
+        order, pieces, _ = ds.pieces(progress)
+        self._progress, self._delivered = progress, 0
+        nw, budget = self.num_workers, self.prefetch_bytes
+
+        def produce(stop: threading.Event | None) -> Iterator[Batch]:
+            executors = Executors(nw)
+            try:
+                views = iter_windows(
+                    pieces,
+                    lambda w: ds.load_window(order, w, executors.io),
+                    lambda w: ds.window_nbytes(order, w),
+                    executors,
+                    budget,
+                    stop,
+                )
+                yield from iter_batches(views, self.batch_size, self.drop_last)
+            finally:
+                executors.shutdown()
+
+        source: Any = (
+            BackgroundIterator(produce, self.prefetch_batches) if nw > 0 else produce(None)
+        )
+        self._active = source
+        try:
+            for batch in timed_batches(source, self.metrics, batch_len):
+                self._delivered += batch_len(batch)
+                yield self._collate(ds.finish_batch(batch))
+            self._finished = True
+        finally:
+            if hasattr(source, "close"):
+                source.close()
+            if self._active is source:
+                self._active = None
+
+    def close(self) -> None:
+        """Stop a pass in progress (its threads are stopped and joined)."""
+        active, self._active = self._active, None
+        if active is not None and hasattr(active, "close"):
+            active.close()
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Small JSON-able state: the position after the batches returned so far."""
+        ds = self.dataset
+        if self._finished:
+            _, world = ds.topology()
+            progress = fresh(ds.epoch + 1, world, ds.balance)
+        elif self._progress is not None:
+            progress = self._progress.with_consumed(self._progress.consumed + self._delivered)
+        else:
+            progress = ds.peek_progress()
+        return ds.make_state(progress, kind="loader", batch_size=self.batch_size)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from `state` (refused with StateMismatchError if it is another dataset's)."""
+        self.close()
+        self.dataset.load_state_dict(state)
+        self._progress = None
+        self._delivered = 0
+        self._finished = False
+
+    def stats(self) -> dict[str, Any]:
+        """Metrics snapshot: samples/s, bytes/s, consumer wait on I/O, requests, cache hits."""
+        return self.metrics.snapshot()

@@ -1,0 +1,296 @@
+"""Mixing several datasets with weights, deterministically and resumably.
+
+Item i of the mixed stream comes from source ``choice(i)``, drawn with the given weights from a
+generator seeded by (seed, i // 4096): the same on every rank and independent of workers and
+timing. Because every rank makes the same choices, each source is consumed in lockstep across
+ranks, so each source's own state (see order.py) stays exact, and the mixture's state is just
+its position plus one state per source. Each source keeps its own epochs: with
+``stopping='never'`` a source that runs out starts its next epoch; with ``'first_exhausted'``
+the pass ends at the first item whose source has run out.
+
+All sources must yield the same fields (names, kinds and shapes); batches get an extra
+``_source`` column (int64, which source each item came from).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .collate import Collate, resolve
+from .dataset import StreamingDataset
+from .errors import StateMismatchError
+from .metrics import Metrics
+from .order import rng_for
+from .pipeline import BackgroundIterator, Executors, iter_batches, iter_windows
+from .state import STATE_FORMAT, STATE_VERSION, Progress
+from .views import Batch, batch_len, merge_parts, slice_batch
+
+_TAG_MIX = 0x313C
+_CHOICE_BLOCK = 4096
+
+
+class _Source:
+    """One dataset's stream of raw item batches, with a buffer the mixer takes items from."""
+
+    def __init__(
+        self, ds: StreamingDataset, num_workers: int, prefetch_bytes: int, chunk: int
+    ) -> None:
+        self.ds, self.nw, self.budget, self.chunk = ds, num_workers, prefetch_bytes, chunk
+        self.progress: Progress | None = None
+        self.taken = 0  # items handed to the mixture since `progress`
+        self.buffer: list[Batch] = []
+        self.offset = 0
+        self.it: Any = None
+        self.exhausted = False
+
+    def start(self) -> None:
+        """Open the source's current pass; a pass with nothing left moves to the next epoch."""
+        ds = self.ds
+        self.progress = ds.begin(ds.epoch)
+        order, pieces, left = ds.pieces(self.progress)
+        if left == 0:
+            ds.set_epoch(ds.epoch + 1)
+            self.progress = ds.begin(ds.epoch)
+            order, pieces, left = ds.pieces(self.progress)
+            if left == 0:
+                raise ValueError(f"dataset {ds.uri} has no items for this rank")
+        self.taken, self.buffer, self.offset, self.exhausted = 0, [], 0, False
+
+        def produce(stop: threading.Event | None) -> Iterator[Batch]:
+            ex = Executors(self.nw)
+            try:
+                views = iter_windows(
+                    pieces,
+                    lambda w: ds.load_window(order, w, ex.io),
+                    lambda w: ds.window_nbytes(order, w),
+                    ex,
+                    self.budget,
+                    stop,
+                )
+                yield from iter_batches(views, self.chunk, False)
+            finally:
+                ex.shutdown()
+
+        self.it = BackgroundIterator(produce, 2) if self.nw > 0 else produce(None)
+
+    def available(self) -> int:
+        return sum(batch_len(b) for b in self.buffer) - self.offset
+
+    def fill(self, need: int) -> int:
+        """Buffer at least `need` items if the epoch has them; return how many are available."""
+        while self.available() < need and not self.exhausted:
+            try:
+                self.buffer.append(next(self.it))
+            except StopIteration:
+                self.exhausted = True
+        return self.available()
+
+    def take(self, n: int) -> Batch | None:
+        parts: list[Batch] = []
+        while n > 0:
+            head = self.buffer[0]
+            k = min(n, batch_len(head) - self.offset)
+            parts.append(slice_batch(head, self.offset, self.offset + k))
+            self.offset += k
+            n -= k
+            self.taken += k
+            if self.offset == batch_len(head):
+                self.buffer.pop(0)
+                self.offset = 0
+        return merge_parts(parts) if parts else None
+
+    def state(self) -> dict[str, Any]:
+        assert self.progress is not None
+        return self.ds.make_state(self.progress.with_consumed(self.progress.consumed + self.taken))
+
+    def close(self) -> None:
+        if self.it is not None and hasattr(self.it, "close"):
+            self.it.close()
+        self.it = None
+
+
+class MixedLoader:
+    """Batches mixing `datasets` with `weights` (normalised). See the module doc."""
+
+    def __init__(
+        self,
+        datasets: Sequence[StreamingDataset],
+        weights: Sequence[float],
+        batch_size: int,
+        *,
+        seed: int = 0,
+        stopping: str = "first_exhausted",
+        num_workers: int = 2,
+        prefetch_bytes: int = 128 << 20,
+        drop_last: bool = False,
+        collate: Collate = "numpy",
+    ) -> None:
+        if len(datasets) == 0 or len(datasets) != len(weights):
+            raise ValueError("give one weight per dataset (at least one dataset)")
+        w = np.asarray(weights, dtype=np.float64)
+        if np.any(~np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+            raise ValueError(
+                f"weights must be non-negative with a positive sum, got {list(weights)}"
+            )
+        if stopping not in ("first_exhausted", "never"):
+            raise ValueError("stopping must be 'first_exhausted' or 'never'")
+        names = [sorted(f.name for f in d.fields) for d in datasets]
+        if any(n != names[0] for n in names) or len({type(d) for d in datasets}) != 1:
+            raise ValueError(f"mixed datasets must have the same fields and mode, got {names}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError("seed must be a non-negative int")
+        self.datasets = list(datasets)
+        self.weights = (w / w.sum()).tolist()
+        self.batch_size, self.seed, self.stopping = int(batch_size), seed, stopping
+        self.drop_last = drop_last
+        self._collate = resolve(collate)
+        chunk = max(16, min(256, self.batch_size))
+        self._sources = [_Source(d, num_workers, prefetch_bytes, chunk) for d in datasets]
+        self.position = 0
+        self.metrics = Metrics()
+        self._choices: tuple[int, np.ndarray] | None = None
+
+    def choices(self, start: int, stop: int) -> np.ndarray:
+        """Source of each mixed item in [start, stop) (the same on every rank)."""
+        out = np.empty(stop - start, dtype=np.int64)
+        i = start
+        while i < stop:
+            blk = i // _CHOICE_BLOCK
+            if self._choices is None or self._choices[0] != blk:
+                rng = rng_for(self.seed, _TAG_MIX, blk)
+                self._choices = (
+                    blk,
+                    rng.choice(len(self.weights), size=_CHOICE_BLOCK, p=self.weights),
+                )
+            j = min(stop, (blk + 1) * _CHOICE_BLOCK)
+            out[i - start : j - start] = self._choices[1][
+                i - blk * _CHOICE_BLOCK : j - blk * _CHOICE_BLOCK
+            ]
+            i = j
+        return out
+
+    def __iter__(self) -> Iterator[Any]:
+        """Continue the mixed stream from the current position (a pass ends when a source
+        runs out with stopping='first_exhausted'; with 'never' it does not end)."""
+        for s in self._sources:
+            if s.progress is not None:  # continue where the last pass stopped
+                st = s.state()
+                s.close()
+                s.ds.load_state_dict(st)
+            s.start()
+        try:
+            while True:
+                c = self.choices(self.position, self.position + self.batch_size)
+                cut = len(c)
+                early: dict[int, Batch | None] = {}
+                for k, s in enumerate(self._sources):
+                    need = int((c == k).sum())
+                    if need == 0:
+                        continue
+                    have = s.fill(need)
+                    if have < need and self.stopping == "never":
+                        early[k] = s.take(have)  # finish the old epoch inside this batch
+                        while have < need:
+                            s.close()
+                            s.ds.set_epoch(s.ds.epoch + 1)
+                            s.start()
+                            got = s.fill(need - have)
+                            if got >= need - have:
+                                break
+                            extra = s.take(got)
+                            early[k] = merge_parts([p for p in (early[k], extra) if p is not None])
+                            have += got
+                    elif have < need:
+                        cut = min(cut, int(np.flatnonzero(c == k)[have]))
+                c = c[:cut]
+                if cut == 0 or (cut < self.batch_size and self.drop_last):
+                    return
+                parts: dict[int, Batch | None] = {}
+                for k, s in enumerate(self._sources):
+                    n = int((c == k).sum())
+                    pre = early.get(k)
+                    rest = s.take(n - (batch_len(pre) if pre is not None else 0))
+                    pieces = [p for p in (pre, rest) if p is not None]
+                    parts[k] = merge_parts(pieces) if pieces else None
+                batch = _interleave(c, parts)
+                self.position += cut
+                self.metrics.add_batch(cut, 0.0)
+                yield self._collate(self.datasets[0].finish_batch(batch))
+                if cut < self.batch_size:
+                    return
+        finally:
+            for s in self._sources:
+                s.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        for s in self._sources:
+            if s.progress is None:
+                s.progress = s.ds.peek_progress()
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "kind": "mixed",
+            "seed": self.seed,
+            "weights": list(self.weights),
+            "position": self.position,
+            "sources": [s.state() for s in self._sources],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if (
+            not isinstance(state, Mapping)
+            or state.get("format") != STATE_FORMAT
+            or state.get("kind") != "mixed"
+        ):
+            raise StateMismatchError("not a mixed-loader state")
+        if state.get("version") != STATE_VERSION:
+            raise StateMismatchError(
+                f"unsupported mixed-loader state version {state.get('version')!r}"
+            )
+        if state.get("seed") != self.seed or not np.allclose(
+            state.get("weights", []), self.weights
+        ):
+            raise StateMismatchError(
+                "mixed-loader state was made with another seed or other weights"
+            )
+        sources = state.get("sources")
+        if not isinstance(sources, list) or len(sources) != len(self._sources):
+            raise StateMismatchError("mixed-loader state has another number of sources")
+        for s, st in zip(self._sources, sources, strict=True):
+            s.close()
+            s.ds.load_state_dict(st)
+            s.progress, s.taken, s.buffer, s.offset, s.exhausted = None, 0, [], 0, False
+        pos = state.get("position")
+        if not isinstance(pos, int) or pos < 0:
+            raise StateMismatchError("mixed-loader state: bad position")
+        self.position = pos
+
+    def stats(self) -> dict[str, Any]:
+        return self.metrics.snapshot()
+
+
+def _interleave(choice: np.ndarray, parts: dict[int, Batch | None]) -> Batch:
+    present = {k: p for k, p in parts.items() if p is not None}
+    first = next(iter(present.values()))
+    out: Batch = {}
+    masks = {k: choice == k for k in present}
+    for key, val in first.items():
+        if isinstance(val, np.ndarray):
+            arr = np.empty((len(choice), *val.shape[1:]), dtype=val.dtype)
+            for k, p in present.items():
+                if p[key].shape[1:] != val.shape[1:]:
+                    raise ValueError(f"field {key!r} has different shapes across mixed datasets")
+                arr[masks[k]] = p[key]
+            out[key] = arr
+        else:
+            lst: list[Any] = [None] * len(choice)
+            for k, p in present.items():
+                for pos, v in zip(np.flatnonzero(masks[k]), p[key], strict=True):
+                    lst[pos] = v
+            out[key] = lst
+    out["_source"] = choice.copy()
+    return out

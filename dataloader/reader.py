@@ -1,0 +1,306 @@
+"""The streaming read path: blocks of samples fetched straight from the store.
+
+zarr-python would fetch a shard index and then each chunk one request at a time. Here:
+
+* shard indexes (the tail of each shard object) are fetched once, verified against the digest
+  the dataset index records, and cached in memory (and in the local chunk cache, if any);
+* the chunks a set of blocks needs are grouped per shard object and nearby byte ranges are
+  merged into single ranged reads (`merge_gap`, `max_request`);
+* requests run concurrently on the caller's executor (I/O and xxh3 release the GIL);
+* every chunk is verified against its xxh3-128 digest before it is decoded: a mismatch is
+  re-fetched once from the store, then raises IntegrityError naming the array and chunk.
+
+A *block* is the rows of one row-chunk (samples [b*R, (b+1)*R)): its columns are numpy arrays
+(scalar/fixed fields) or (data, offsets[, shapes]) triples with offsets local to the block.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptstore.errors import IntegrityError, ObjectNotFoundError, StoreError
+from ckptstore.hashing import digest
+from ckptstore.stores import Store
+
+from .cache import ChunkCache
+from .errors import MissingShardError
+from .format import EMPTY, ArrayInfo, DatasetIndex
+from .metrics import Metrics
+from .ranges import MergedRange, merge_ranges
+
+ChunkId = tuple[str, int]  # (array path, chunk number)
+Column = np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray | None]
+Block = dict[str, Column]
+
+
+@dataclass(frozen=True)
+class _Part:
+    path: str
+    chunk: int
+    key: str
+    offset: int
+    nbytes: int
+    digest: str
+
+
+class BlockReader:
+    """Reads whole blocks of a dataset. Thread-safe; owns no threads (uses the caller's)."""
+
+    def __init__(
+        self,
+        store: Store,
+        index: DatasetIndex,
+        *,
+        cache: ChunkCache | None = None,
+        merge_gap: int = 1 << 20,
+        max_request: int = 16 << 20,
+        metrics: Metrics | None = None,
+        fields: Sequence[str] | None = None,
+    ) -> None:
+        self.store, self.index, self.cache = store, index, cache
+        self.fields = tuple(index.field(n) for n in fields) if fields is not None else index.fields
+        self.merge_gap, self.max_request = merge_gap, max_request
+        self.metrics = metrics or Metrics()
+        self._indexes: dict[tuple[str, int], np.ndarray] = {}
+        self._lock = threading.Lock()
+        self._zstd: Any = None
+
+    # -- shard indexes -----------------------------------------------------------------
+    def shard_index(self, path: str, shard: int) -> np.ndarray:
+        """(chunks_per_shard, 2) uint64 of (offset, nbytes) per chunk; fetched once, verified."""
+        with self._lock:
+            hit = self._indexes.get((path, shard))
+        if hit is not None:
+            return hit
+        a = self.index.arrays[path]
+        info = a.shards[shard]
+        key = a.shard_key(shard)
+        raw = self.cache.get(info.index_digest) if self.cache else None
+        if raw is None:
+            start = info.nbytes - a.index_nbytes
+            raw = self._get_range(key, path, start, a.index_nbytes)
+            if digest(raw) != info.index_digest:
+                raw = self._get_range(key, path, start, a.index_nbytes)
+                if digest(raw) != info.index_digest:
+                    raise IntegrityError(
+                        f"{self.store.uri}: shard index of {key!r} (array {path!r}) does not match "
+                        "its recorded digest: the shard was changed or truncated"
+                    )
+            if self.cache:
+                self.cache.put(info.index_digest, raw)
+        table = np.frombuffer(raw[: 16 * a.chunks_per_shard], dtype="<u8").reshape(-1, 2)
+        with self._lock:
+            self._indexes[(path, shard)] = table
+        return table
+
+    def _get_range(self, key: str, path: str, start: int, length: int) -> bytes:
+        try:
+            data = self.store.get_range(key, start, length)
+        except ObjectNotFoundError as exc:
+            raise MissingShardError(
+                f"{self.store.uri}: shard {key!r} of array {path!r} is missing although "
+                f"{'dataset.json'} lists it: the dataset is incomplete or was partly deleted"
+            ) from exc
+        self.metrics.add_read(len(data))
+        return data
+
+    # -- planning --------------------------------------------------------------------------
+    def chunks_for_blocks(self, blocks: Sequence[int]) -> list[ChunkId]:
+        """Every (array, chunk) the given blocks need, without duplicates."""
+        idx, need = self.index, []
+        seen: set[ChunkId] = set()
+        for b in blocks:
+            for f in self.fields:
+                if not f.variable:
+                    cands = [(f.arrays["values"], b)]
+                else:
+                    cands = [(f.arrays["offsets"], b)]
+                    if "shapes" in f.arrays:
+                        cands.append((f.arrays["shapes"], b))
+                    assert f.block_bounds is not None
+                    lo, hi = f.block_bounds[b], f.block_bounds[b + 1]
+                    if hi > lo:
+                        ce = idx.arrays[f.arrays["data"]].chunk_shape[0]
+                        cands += [
+                            (f.arrays["data"], c) for c in range(lo // ce, (hi - 1) // ce + 1)
+                        ]
+                for c in cands:
+                    if c not in seen:
+                        seen.add(c)
+                        need.append(c)
+        return need
+
+    def shards_for(self, chunks: Sequence[ChunkId]) -> list[tuple[str, int]]:
+        out = {(p, c // self.index.arrays[p].chunks_per_shard) for p, c in chunks}
+        return sorted(out)
+
+    def _part(self, path: str, chunk: int) -> _Part:
+        a = self.index.arrays[path]
+        shard, i = divmod(chunk, a.chunks_per_shard)
+        off, n = (int(x) for x in self.shard_index(path, shard)[i])
+        if off == EMPTY or off + n > a.shards[shard].nbytes:
+            raise IntegrityError(
+                f"{self.store.uri}: shard index of {a.shard_key(shard)!r} gives no valid location "
+                f"for chunk {chunk} of array {path!r}"
+            )
+        return _Part(path, chunk, a.shard_key(shard), off, n, a.chunk_digest(chunk))
+
+    # -- loading ---------------------------------------------------------------------------
+    def load_blocks(self, blocks: Sequence[int], executor: Executor) -> list[Block]:
+        """Fetch, verify and decode the given blocks (requests run on `executor`)."""
+        chunks = self.chunks_for_blocks(blocks)
+        shards = [s for s in self.shards_for(chunks) if s not in self._indexes]
+        _wait_all([executor.submit(self.shard_index, p, s) for p, s in shards])
+        parts = [self._part(p, c) for p, c in chunks]
+        decoded: dict[ChunkId, np.ndarray] = {}
+        if self.cache is not None:
+            hits = _wait_all([executor.submit(self._from_cache, part) for part in parts])
+            misses = []
+            for part, fut in zip(parts, hits, strict=True):
+                arr = fut.result()
+                if arr is None:
+                    misses.append(part)
+                else:
+                    decoded[(part.path, part.chunk)] = arr
+            parts = misses
+        by_key: dict[str, list[tuple[int, int, _Part]]] = {}
+        for part in parts:
+            by_key.setdefault(part.key, []).append((part.offset, part.nbytes, part))
+        futures = [
+            executor.submit(self._fetch, key, req)
+            for key, items in by_key.items()
+            for req in merge_ranges(items, self.merge_gap, self.max_request)
+        ]
+        for fut in _wait_all(futures):
+            decoded.update(fut.result())
+        return [self._assemble(b, decoded) for b in blocks]
+
+    def _fetch(self, key: str, req: MergedRange[_Part]) -> list[tuple[ChunkId, np.ndarray]]:
+        buf = np.empty(req.length, dtype=np.uint8)  # not zero-filled
+        mv: memoryview = buf.data
+        try:
+            self.store.read_into(key, req.start, mv)
+        except ObjectNotFoundError as exc:
+            p = req.parts[0][2]
+            raise MissingShardError(
+                f"{self.store.uri}: shard {key!r} of array {p.path!r} is missing although "
+                "dataset.json lists it: the dataset is incomplete or was partly deleted"
+            ) from exc
+        self.metrics.add_read(req.length)
+        out = []
+        for start, n, part in req.parts:
+            data = mv[start - req.start : start - req.start + n]
+            if digest(data) != part.digest:
+                data = memoryview(self._refetch(part))
+            elif self.cache is not None:
+                self.cache.put(part.digest, data)
+            out.append(((part.path, part.chunk), self._decode(part.path, data)))
+        return out
+
+    def _from_cache(self, part: _Part) -> np.ndarray | None:
+        assert self.cache is not None
+        data = self.cache.get(part.digest)
+        if data is None:
+            return None
+        self.metrics.add_cache_hit(len(data))
+        return self._decode(part.path, memoryview(data))
+
+    def _refetch(self, part: _Part) -> bytes:
+        """Second (and last) try of one chunk whose bytes did not match."""
+        try:
+            data = self.store.get_range(part.key, part.offset, part.nbytes)
+        except StoreError:
+            data = b""
+        self.metrics.add_read(len(data))
+        if digest(data) != part.digest:
+            raise IntegrityError(
+                f"{self.store.uri}: chunk {part.chunk} of array {part.path!r} "
+                f"(object {part.key!r}, "
+                f"bytes {part.offset}..{part.offset + part.nbytes}) does not match its digest "
+                f"{part.digest}: the data is corrupt"
+            )
+        if self.cache is not None:
+            self.cache.put(part.digest, data)
+        return data
+
+    def _decode(self, path: str, data: memoryview) -> np.ndarray:
+        a: ArrayInfo = self.index.arrays[path]
+        if a.compressor is None:
+            if len(data) != a.chunk_nbytes:
+                raise IntegrityError(
+                    f"array {path!r}: chunk of {len(data)} bytes, expected {a.chunk_nbytes}"
+                )
+            raw: Any = data
+        else:
+            if self._zstd is None:
+                from numcodecs import Zstd
+
+                self._zstd = Zstd()
+            out = np.empty(a.chunk_nbytes, dtype=np.uint8)
+            try:
+                raw = self._zstd.decode(bytes(data), out=out)
+            except (ValueError, RuntimeError) as exc:
+                raise IntegrityError(f"array {path!r}: chunk does not decode: {exc}") from exc
+        return np.frombuffer(raw, dtype=a.np_dtype).reshape(a.chunk_shape)
+
+    def _assemble(self, b: int, chunks: dict[ChunkId, np.ndarray]) -> Block:
+        idx = self.index
+        n = int(idx.block_rows()[b]) if b == idx.num_blocks - 1 else idx.rows_per_chunk
+        block: Block = {}
+        for f in self.fields:
+            if not f.variable:
+                block[f.name] = chunks[(f.arrays["values"], b)][:n]
+                continue
+            assert f.block_bounds is not None
+            lo, hi = f.block_bounds[b], f.block_bounds[b + 1]
+            offs = chunks[(f.arrays["offsets"], b)][:n].astype(np.int64) - lo
+            offsets = np.empty(n + 1, dtype=np.int64)
+            offsets[:n] = offs
+            offsets[n] = hi - lo
+            if n and (offsets[0] != 0 or np.any(np.diff(offsets) < 0)):
+                raise IntegrityError(f"field {f.name!r}: block {b} has inconsistent offsets")
+            data_path = f.arrays["data"]
+            a = idx.arrays[data_path]
+            ce = a.chunk_shape[0]
+            if hi > lo:
+                c0, c1 = lo // ce, (hi - 1) // ce
+                if c0 == c1:
+                    data = chunks[(data_path, c0)][lo - c0 * ce : hi - c0 * ce]
+                else:
+                    data = np.concatenate([chunks[(data_path, c)] for c in range(c0, c1 + 1)])
+                    data = data[lo - c0 * ce : hi - c0 * ce]
+            else:
+                data = np.zeros(0, dtype=a.np_dtype)
+            shapes = chunks[(f.arrays["shapes"], b)][:n] if "shapes" in f.arrays else None
+            block[f.name] = (data, offsets, shapes)
+        return block
+
+
+def _wait_all(futures: list[Future[Any]]) -> list[Future[Any]]:
+    """Wait for all futures; raise the first failure (after cancelling the rest)."""
+    for i, fut in enumerate(futures):
+        try:
+            fut.result()
+        except BaseException:
+            for other in futures[i + 1 :]:
+                other.cancel()
+            raise
+    return futures
+
+
+class InlineExecutor(Executor):
+    """Runs submitted calls at once in the caller's thread (num_workers=0)."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # delivered through the future, like a pool would
+            fut.set_exception(exc)
+        return fut

@@ -1,0 +1,551 @@
+"""Writing datasets: samples (dicts of numpy arrays, ints, floats, bools, bytes, str) become one
+sharded zarr v3 array per field (variable-length fields as data + offsets), written by
+zarr-python through a thin adapter over a ckptstore Store, then ``dataset.json`` is created last.
+
+Contract: a dataset is whole or invisible. Until `close()` creates the index, readers see no
+dataset; a failed or abandoned write leaves arrays but no index. Chunk digests are taken from the
+exact bytes zarr hands to the store (no read-back). Bad samples raise TypeError/ValueError naming
+the sample index and field, before anything of that sample is written.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.codecs import ZstdCodec
+
+from ckptstore.errors import FormatError, ObjectExistsError
+from ckptstore.hashing import digest
+from ckptstore.stores import Store, open_store
+
+from .format import (
+    EMPTY,
+    INDEX_KEY,
+    KINDS,
+    ArrayInfo,
+    DatasetIndex,
+    FieldInfo,
+    ShardInfo,
+    validate_field_name,
+)
+from .zarr_adapter import ZarrStoreAdapter
+
+__all__ = ["DatasetWriter", "write_dataset"]
+
+_PROBE_SAMPLES = 1024
+_PROBE_BYTES = 32 << 20
+_MAX_CHUNKS_PER_SHARD = 1024
+
+
+@dataclass
+class _Spec:
+    """A field's inferred (or declared) type."""
+
+    name: str
+    kind: str
+    dtype: np.dtype
+    shape: tuple[int, ...] | None = None
+    ndim: int = 0
+
+
+def _bad(i: int, name: str, msg: str, exc: type[Exception] = TypeError) -> Exception:
+    return exc(f"sample {i}, field {name!r}: {msg}")
+
+
+def _infer(i: int, name: str, value: Any, declared: str | None) -> _Spec:
+    """Infer a field's spec from its first value (and an optional declared kind)."""
+    if declared is not None and declared not in KINDS:
+        raise ValueError(
+            f"schema for field {name!r}: unknown kind {declared!r} (use one of {KINDS})"
+        )
+    if isinstance(value, bool | int | float | np.generic) or (
+        isinstance(value, np.ndarray) and value.ndim == 0
+    ):
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not _fits_int64(value):
+                raise _bad(i, name, f"int {value} does not fit in int64", ValueError)
+            arr = np.asarray(value, dtype=np.int64)
+        else:
+            arr = np.asarray(value)
+        _check_dtype(i, name, arr.dtype)
+        kind = declared or "scalar"
+        if kind != "scalar":
+            raise _bad(i, name, f"declared {kind!r} but the value is a scalar")
+        return _Spec(name, "scalar", arr.dtype)
+    if isinstance(value, np.ndarray):
+        _check_dtype(i, name, value.dtype)
+        kind = declared or "ragged"
+        if kind == "fixed":
+            return _Spec(name, "fixed", value.dtype, tuple(value.shape), value.ndim)
+        if kind == "ragged":
+            return _Spec(name, "ragged", value.dtype, None, value.ndim)
+        raise _bad(i, name, f"declared {kind!r} but the value is a numpy array")
+    if isinstance(value, bytes | bytearray | memoryview):
+        if declared not in (None, "bytes"):
+            raise _bad(i, name, f"declared {declared!r} but the value is bytes")
+        return _Spec(name, "bytes", np.dtype(np.uint8), None, 1)
+    if isinstance(value, str):
+        if declared not in (None, "str"):
+            raise _bad(i, name, f"declared {declared!r} but the value is a str")
+        return _Spec(name, "str", np.dtype(np.uint8), None, 1)
+    raise _bad(
+        i,
+        name,
+        f"unsupported type {type(value).__name__} (use numpy arrays, int, float, bool, bytes, str)",
+    )
+
+
+def _fits_int64(v: int) -> bool:
+    return -(2**63) <= v < 2**63
+
+
+def _check_dtype(i: int, name: str, dt: np.dtype) -> None:
+    if dt.kind not in "biufc" or dt.hasobject or dt.fields is not None:
+        raise _bad(i, name, f"unsupported dtype {dt} (numeric and bool dtypes only)")
+
+
+def _coerce(i: int, spec: _Spec, value: Any) -> Any:
+    """Check one value against its field's spec; return what the column buffer keeps."""
+    name, kind = spec.name, spec.kind
+    if kind == "scalar":
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value[()]
+        if isinstance(value, bool | np.bool_):
+            ok = spec.dtype.kind == "b"
+        elif isinstance(value, int):
+            ok = spec.dtype.kind in "iuf"
+            if ok and spec.dtype.kind in "iu":
+                info = np.iinfo(spec.dtype)
+                if not info.min <= value <= info.max:
+                    raise _bad(i, name, f"int {value} does not fit in {spec.dtype}", ValueError)
+        elif isinstance(value, float):
+            ok = spec.dtype.kind in "fc"
+        elif isinstance(value, np.generic):
+            ok = np.can_cast(value.dtype, spec.dtype, "safe")
+        else:
+            ok = False
+        if not ok:
+            raise _bad(
+                i, name, f"expected a {spec.dtype} scalar, got {type(value).__name__} {value!r:.40}"
+            )
+        return value
+    if kind in ("fixed", "ragged"):
+        if not isinstance(value, np.ndarray):
+            raise _bad(
+                i, name, f"expected a numpy array of {spec.dtype}, got {type(value).__name__}"
+            )
+        if not np.can_cast(value.dtype, spec.dtype, "safe"):
+            raise _bad(i, name, f"expected dtype {spec.dtype}, got {value.dtype}")
+        if kind == "fixed" and value.shape != spec.shape:
+            raise _bad(
+                i,
+                name,
+                f"expected shape {spec.shape}, got {value.shape} (declare the field "
+                "'ragged' in schema= for variable shapes)",
+                ValueError,
+            )
+        if kind == "ragged" and value.ndim != spec.ndim:
+            raise _bad(
+                i, name, f"expected {spec.ndim} dimensions, got shape {value.shape}", ValueError
+            )
+        return value
+    if kind == "bytes":
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise _bad(i, name, f"expected bytes, got {type(value).__name__}")
+        return bytes(value)
+    if not isinstance(value, str):
+        raise _bad(i, name, f"expected str, got {type(value).__name__}")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(i, name, f"str is not encodable as UTF-8 ({exc.reason})", ValueError) from None
+
+
+def _value_nbytes(spec: _Spec, v: Any) -> int:
+    if spec.kind == "scalar":
+        return spec.dtype.itemsize
+    if spec.kind in ("fixed", "ragged"):
+        return int(v.size) * spec.dtype.itemsize + (8 if spec.kind == "ragged" else 0)
+    return len(v) + 8
+
+
+class _ArrayWriter:
+    """Appends rows to one zarr array, writing whole shards only (the last one at close)."""
+
+    def __init__(
+        self,
+        group: zarr.Group,
+        path: str,
+        dtype: np.dtype,
+        inner: tuple[int, ...],
+        chunk_len: int,
+        chunks_per_shard: int,
+        compressor: str | None,
+    ) -> None:
+        self.path, self.dtype, self.inner = path, np.dtype(dtype).newbyteorder("<"), inner
+        self.chunk_len, self.chunks_per_shard = chunk_len, chunks_per_shard
+        self.compressor = compressor
+        self.shard_rows = chunk_len * chunks_per_shard
+        compressors = [ZstdCodec(level=1)] if compressor == "zstd" else None
+        self.array = group.create_array(
+            path,
+            shape=(0, *inner),
+            dtype=self.dtype,
+            chunks=(chunk_len, *inner),
+            shards=(self.shard_rows, *inner),
+            compressors=compressors,
+            fill_value=0,
+            config={"write_empty_chunks": True},
+        )
+        self.pending: list[np.ndarray] = []
+        self.pending_rows = 0
+        self.rows = 0
+        self.shards: dict[int, ShardInfo] = {}
+
+    def append(self, rows: np.ndarray) -> None:
+        if len(rows) == 0:
+            return
+        self.pending.append(rows)
+        self.pending_rows += len(rows)
+        if self.pending_rows >= self.shard_rows:
+            buf = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+            full = (len(buf) // self.shard_rows) * self.shard_rows
+            self._write(buf[:full])
+            rest = buf[full:]
+            self.pending = [rest] if len(rest) else []
+            self.pending_rows = len(rest)
+
+    def _write(self, rows: np.ndarray) -> None:
+        start = self.rows
+        self.array.resize((start + len(rows), *self.inner))
+        self.array[start : start + len(rows)] = rows
+        self.rows += len(rows)
+
+    def finish(self) -> ArrayInfo:
+        if self.pending:
+            self._write(np.concatenate(self.pending))
+            self.pending, self.pending_rows = [], 0
+        num_chunks = -(-self.rows // self.chunk_len)
+        num_shards = -(-num_chunks // self.chunks_per_shard)
+        missing = [s for s in range(num_shards) if s not in self.shards]
+        if missing:
+            raise FormatError(f"array {self.path!r}: shards {missing} were not seen while writing")
+        return ArrayInfo(
+            path=self.path,
+            dtype=self.dtype.str,
+            shape=(self.rows, *self.inner),
+            chunk_shape=(self.chunk_len, *self.inner),
+            chunks_per_shard=self.chunks_per_shard,
+            compressor=self.compressor,
+            shards=tuple(self.shards[s] for s in range(num_shards)),
+        )
+
+    def record_shard(self, shard: int, data: memoryview) -> None:
+        """Digest every chunk of a shard object zarr is about to store."""
+        p = self.chunks_per_shard
+        tail = data[len(data) - (16 * p + 4) :]
+        index = np.frombuffer(tail[: 16 * p], dtype="<u8").reshape(p, 2)
+        chunks = tuple(
+            None if int(off) == EMPTY else digest(data[int(off) : int(off) + int(n)])
+            for off, n in index
+        )
+        self.shards[shard] = ShardInfo(len(data), digest(tail), chunks)
+
+
+class DatasetWriter:
+    """Streaming writer: `add()` samples, then `close()` (or leave the `with` block) commits.
+
+    Options: `schema` maps field -> kind ('scalar', 'fixed', 'ragged', 'bytes', 'str'); numpy
+    arrays default to 'ragged' (any shape per sample; declare 'fixed' for one shape, which stores
+    them as an (N, *shape) array). `rows_per_chunk` (samples per block, the read unit) defaults to
+    about `chunk_bytes` of data; data arrays of variable-length fields use chunks of about a
+    quarter block (or `data_chunk_bytes`); shards hold about `shard_bytes`. `compression`: None
+    or 'zstd'.
+    """
+
+    def __init__(
+        self,
+        uri: str | Store,
+        *,
+        schema: Mapping[str, str] | None = None,
+        rows_per_chunk: int | None = None,
+        chunk_bytes: int = 4 << 20,
+        shard_bytes: int = 16 << 20,
+        data_chunk_bytes: int | None = None,
+        compression: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        store_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+        if rows_per_chunk is not None and rows_per_chunk < 1:
+            raise ValueError("rows_per_chunk must be >= 1")
+        self.store = open_store(uri, **dict(store_options or {}))
+        self._owns_store = not isinstance(uri, Store)
+        self.schema = {validate_field_name(k): v for k, v in (schema or {}).items()}
+        self.rows_per_chunk = rows_per_chunk
+        self.chunk_bytes, self.shard_bytes = chunk_bytes, shard_bytes
+        self.data_chunk_bytes = data_chunk_bytes
+        self.compression = compression
+        self.metadata = dict(metadata or {})
+        self._check_target(overwrite)
+        self._lock = threading.Lock()
+        self._arrays: dict[str, _ArrayWriter] = {}
+        self._adapter = ZarrStoreAdapter(self.store, on_set=self._on_set)
+        self._group: zarr.Group | None = None
+        self._specs: dict[str, _Spec] | None = None
+        self._probe_specs: dict[str, _Spec] | None = None
+        self._probe: list[dict[str, Any]] = []
+        self._probe_bytes = 0
+        self._block: list[dict[str, Any]] = []
+        self._R = 0
+        self._count = 0
+        self._bounds: dict[str, list[int]] = {}
+        self._data_len: dict[str, int] = {}
+        self._closed = False
+
+    def _check_target(self, overwrite: bool) -> None:
+        if not self.store.exists(INDEX_KEY):
+            return
+        if not overwrite:
+            raise ObjectExistsError(
+                f"{self.store.uri}: a dataset exists here already"
+                " (pass overwrite=True to replace it)"
+            )
+        try:
+            old = DatasetIndex.from_bytes(self.store.get(INDEX_KEY))
+            paths = list(old.arrays)
+        except FormatError:
+            paths = []
+        self.store.delete(INDEX_KEY)  # the old dataset becomes invisible first
+        for path in paths:
+            for info in list(self.store.list(path + "/")):
+                self.store.delete(info.key)
+
+    # -- zarr hook ------------------------------------------------------------------------
+    def _on_set(self, key: str, data: memoryview) -> None:
+        path, sep, rest = key.partition("/c/")
+        if not sep:
+            return
+        with self._lock:
+            writer = self._arrays.get(path)
+        if writer is not None:
+            writer.record_shard(int(rest.split("/")[0]), data)
+
+    # -- adding samples -------------------------------------------------------------------
+    def add(self, sample: Mapping[str, Any]) -> None:
+        """Validate and buffer one sample; whole shards are written as they fill."""
+        if self._closed:
+            raise ValueError("writer is closed")
+        i = self._count
+        if not isinstance(sample, Mapping):
+            raise TypeError(
+                f"sample {i}: expected a dict of field -> value, got {type(sample).__name__}"
+            )
+        if self._specs is None:
+            specs = self._probe_specs
+            if specs is None:
+                specs = {}
+                for name, value in sample.items():
+                    validate_field_name(name)
+                    specs[name] = _infer(i, name, value, self.schema.get(name))
+                unknown = set(self.schema) - set(specs)
+                if unknown:
+                    raise ValueError(
+                        f"sample {i}: schema names fields {sorted(unknown)} not in the sample"
+                    )
+                self._probe_specs = specs
+        else:
+            specs = self._specs
+        row = self._check_sample(i, sample, specs)
+        self._count += 1
+        if self._specs is None:
+            self._probe.append(row)
+            self._probe_bytes += sum(_value_nbytes(specs[k], v) for k, v in row.items())
+            if len(self._probe) >= _PROBE_SAMPLES or self._probe_bytes >= _PROBE_BYTES:
+                self._start()
+        else:
+            self._push(row)
+
+    def _check_sample(
+        self, i: int, sample: Mapping[str, Any], specs: dict[str, _Spec]
+    ) -> dict[str, Any]:
+        keys = set(sample)
+        if keys != set(specs):
+            missing, extra = sorted(set(specs) - keys), sorted(keys - set(specs))
+            parts = ([f"missing field(s) {missing}"] if missing else []) + (
+                [f"unexpected field(s) {extra}"] if extra else []
+            )
+            raise ValueError(f"sample {i}: {', '.join(parts)} (fields are {sorted(specs)})")
+        return {name: _coerce(i, spec, sample[name]) for name, spec in specs.items()}
+
+    def _start(self) -> None:
+        """Decide the chunking from the probe, create the arrays, push the probe samples."""
+        specs = self._probe_specs or {}
+        self._specs = specs
+        n = max(1, len(self._probe))
+        per_field = {
+            k: sum(_value_nbytes(s, r[k]) for r in self._probe) / n for k, s in specs.items()
+        }
+        row_bytes = max(1.0, sum(per_field.values()))
+        R = self.rows_per_chunk or int(min(max(1, self.chunk_bytes // row_bytes), 1 << 16))
+        self._R = R
+        self._group = zarr.open_group(store=self._adapter, mode="w", attributes={"dataloader": 1})
+
+        def shards(chunk_nbytes: int) -> int:
+            return int(min(max(1, self.shard_bytes // max(1, chunk_nbytes)), _MAX_CHUNKS_PER_SHARD))
+
+        for name, spec in specs.items():
+            if spec.kind in ("scalar", "fixed"):
+                inner = spec.shape or ()
+                nb = R * math.prod(inner) * spec.dtype.itemsize
+                self._add_array(name, spec.dtype, inner, R, shards(nb))
+                continue
+            item = spec.dtype.itemsize
+            block_data = max(1.0, per_field[name] - 8) * R
+            chunk_b = self.data_chunk_bytes or int(
+                min(max(4 << 10, block_data / 4), self.chunk_bytes)
+            )
+            ce = max(1, chunk_b // item)
+            self._add_array(f"{name}/data", spec.dtype, (), ce, shards(ce * item))
+            self._add_array(f"{name}/offsets", np.dtype(np.int64), (), R, shards(8 * R))
+            if spec.kind == "ragged" and spec.ndim > 1:
+                self._add_array(
+                    f"{name}/shapes", np.dtype(np.int64), (spec.ndim,), R, shards(8 * R * spec.ndim)
+                )
+            self._bounds[name] = [0]
+            self._data_len[name] = 0
+        probe, self._probe = self._probe, []
+        for row in probe:
+            self._push(row)
+
+    def _add_array(
+        self, path: str, dtype: np.dtype, inner: tuple[int, ...], chunk_len: int, per_shard: int
+    ) -> None:
+        assert self._group is not None
+        w = _ArrayWriter(self._group, path, dtype, inner, chunk_len, per_shard, self.compression)
+        with self._lock:
+            self._arrays[path] = w
+
+    def _push(self, row: dict[str, Any]) -> None:
+        self._block.append(row)
+        if len(self._block) == self._R:
+            self._flush_block()
+
+    def _flush_block(self) -> None:
+        rows, self._block = self._block, []
+        if not rows:
+            return
+        assert self._specs is not None
+        for name, spec in self._specs.items():
+            vals = [r[name] for r in rows]
+            if spec.kind == "scalar":
+                self._arrays[name].append(np.asarray(vals, dtype=spec.dtype))
+            elif spec.kind == "fixed":
+                self._arrays[name].append(np.stack(vals).astype(spec.dtype, copy=False))
+            else:
+                if spec.kind == "ragged":
+                    lengths = np.fromiter((v.size for v in vals), dtype=np.int64, count=len(vals))
+                    data = (
+                        np.concatenate([np.ravel(v) for v in vals]).astype(spec.dtype, copy=False)
+                        if lengths.sum()
+                        else np.zeros(0, spec.dtype)
+                    )
+                    if spec.ndim > 1:
+                        self._arrays[f"{name}/shapes"].append(
+                            np.asarray([v.shape for v in vals], dtype=np.int64).reshape(
+                                len(vals), spec.ndim
+                            )
+                        )
+                else:
+                    lengths = np.fromiter((len(v) for v in vals), dtype=np.int64, count=len(vals))
+                    data = np.frombuffer(b"".join(vals), dtype=np.uint8)
+                start = self._data_len[name]
+                offs = start + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+                self._arrays[f"{name}/offsets"].append(offs)
+                self._arrays[f"{name}/data"].append(data)
+                self._data_len[name] = start + int(lengths.sum())
+                self._bounds[name].append(self._data_len[name])
+
+    # -- commit ---------------------------------------------------------------------------
+    def close(self) -> DatasetIndex:
+        """Write the remaining rows and the index (create-only). Returns the index."""
+        if self._closed:
+            raise ValueError("writer is closed")
+        if self._specs is None:
+            if self._probe_specs is None:
+                raise ValueError("no samples were written (a dataset needs at least one sample)")
+            self._start()
+        self._flush_block()
+        assert self._specs is not None
+        for name, spec in self._specs.items():
+            if spec.kind in ("ragged", "bytes", "str"):  # final offset: N+1 rows
+                self._arrays[f"{name}/offsets"].append(np.asarray([self._data_len[name]], np.int64))
+        arrays = {path: w.finish() for path, w in self._arrays.items()}
+        fields = []
+        for name, spec in self._specs.items():
+            if spec.kind in ("scalar", "fixed"):
+                roles = {"values": name}
+                bounds = None
+            else:
+                roles = {"data": f"{name}/data", "offsets": f"{name}/offsets"}
+                if f"{name}/shapes" in arrays:
+                    roles["shapes"] = f"{name}/shapes"
+                bounds = tuple(self._bounds[name])
+            fields.append(
+                FieldInfo(
+                    name,
+                    spec.kind,
+                    spec.dtype.newbyteorder("<").str,
+                    spec.shape,
+                    spec.ndim,
+                    roles,
+                    bounds,
+                )
+            )
+        partial = DatasetIndex(self._count, self._R, tuple(fields), arrays, self.metadata, "0" * 32)
+        body = partial.body()
+        index = DatasetIndex(
+            self._count,
+            self._R,
+            tuple(fields),
+            arrays,
+            self.metadata,
+            DatasetIndex.compute_fingerprint(body),
+        )
+        self.store.sync()
+        self.store.create(INDEX_KEY, index.to_bytes())
+        self._closed = True
+        if self._owns_store:
+            self.store.close()
+        return index
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None and not self._closed:
+            self.close()
+        elif not self._closed:
+            self._closed = True  # abandoned: no index, the dataset stays invisible
+            if self._owns_store:
+                self.store.close()
+
+
+def write_dataset(
+    uri: str | Store, samples: Iterable[Mapping[str, Any]], **options: Any
+) -> DatasetIndex:
+    """Write `samples` as a dataset at `uri` and return its index. See DatasetWriter for
+    options (schema, rows_per_chunk, chunk_bytes, shard_bytes, compression, metadata,
+    overwrite, store_options)."""
+    with DatasetWriter(uri, **options) as writer:
+        for sample in samples:
+            writer.add(sample)
+        return writer.close()
