@@ -77,6 +77,12 @@ def broadcast_json(obj: Any, group: Any, src: int = 0) -> Any:
     return json.loads(bytes(buf.numpy()))
 
 
+def report_failure(group: Any, error: str) -> None:
+    """Join a collective save only to report that this rank failed before it could start;
+    the other ranks raise the same error after the first gather instead of waiting."""
+    all_gather_json({"error": error}, group)
+
+
 def _describe(leaf: ArrayLeaf) -> dict[str, Any]:
     shape = [int(s) for s in leaf.array.shape]
     return {"key": leaf.key, "kind": leaf.kind, "dtype": leaf.dtype.name, "shape": shape,
@@ -91,6 +97,19 @@ def _first_error(items: list[Any]) -> str | None:
     return None
 
 
+def _divisors_up_to(n: int, limit: int) -> int:
+    """The largest divisor of `n` that is at most `limit` (n >= 1)."""
+    best = 1
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            for cand in (d, n // d):
+                if cand <= limit and cand > best:
+                    best = cand
+        d += 1
+    return best
+
+
 def _aligned_chunk_rows(bounds: set[int], target: int, row_bytes: int, chunk_bytes: int) -> int:
     """Rows per chunk such that every shard boundary falls on a chunk boundary."""
     g = 0
@@ -98,7 +117,7 @@ def _aligned_chunk_rows(bounds: set[int], target: int, row_bytes: int, chunk_byt
         g = math.gcd(g, b)
     if g == 0:
         return target
-    best = max(d for d in range(1, min(g, target) + 1) if g % d == 0)
+    best = _divisors_up_to(g, target)
     if best * row_bytes * 8 < chunk_bytes and g * row_bytes <= 8 * chunk_bytes:
         return g  # one larger chunk per boundary beats many tiny ones
     return best
@@ -106,23 +125,29 @@ def _aligned_chunk_rows(bounds: set[int], target: int, row_bytes: int, chunk_byt
 
 def plan_collective(descs: list[list[dict[str, Any]]], rank: int,
                     options: SaveOptions) -> tuple[list[LeafPlan], list[tuple[int, ...]]]:
-    """The same plan on every rank: this rank's LeafPlans and every leaf's global shape."""
+    """The same plan on every rank: this rank's LeafPlans and every leaf's global shape.
+
+    Sharded rows are written by their holder. Replicated work (chunks of big tensors, whole
+    small tensors) is then handed out largest first to the rank with the fewest bytes so far,
+    so every rank writes about 1/world of the bytes."""
     world = len(descs)
     mine = descs[rank]
-    plans: list[LeafPlan] = []
+    plans: list[LeafPlan | None] = []
     shapes: list[tuple[int, ...]] = []
+    load = [0] * world
+    units: list[tuple[int, int, int]] = []  # (bytes, leaf, chunk) of replicated work
     for i, d in enumerate(mine):
         gshape = tuple(d["global"])
         itemsize = _itemsize(d["dtype"])
         nbytes = math.prod(gshape) * itemsize
         target = rows_per_chunk(gshape, itemsize, options.chunk_bytes)
+        row_bytes = math.prod(gshape[1:]) * itemsize
         shapes.append(gshape)
         if any(r[i]["partial"] for r in descs):
             holders = sorted((r[i]["offset"], r[i]["offset"] + r[i]["shape"][0], k)
                              for k, r in enumerate(descs) if r[i]["shape"][0] > 0)
             bounds = {a for a, _b, _k in holders if a} | {b for _a, b, _k in holders
                                                           if b != gshape[0]}
-            row_bytes = math.prod(gshape[1:]) * itemsize
             rows = _aligned_chunk_rows(bounds, target, row_bytes, options.chunk_bytes)
             n_chunks = -(-gshape[0] // rows)
             owner: dict[int, int] = {}
@@ -132,17 +157,34 @@ def plan_collective(descs: list[list[dict[str, Any]]], rank: int,
             if len(owner) != n_chunks:
                 raise CkptStoreError(f"{d['key']}: the ranks' shards do not cover all "
                                      f"{gshape[0]} rows")
-            owned = frozenset(c for c, k in owner.items() if k == rank)
-            plans.append(LeafPlan(rows, row_offset=d["offset"], owned=owned))
+            for c, k in owner.items():
+                load[k] += (min(gshape[0], (c + 1) * rows) - c * rows) * row_bytes
+            plans.append(LeafPlan(rows, row_offset=d["offset"],
+                                  owned=frozenset(c for c, k in owner.items() if k == rank)))
         elif 0 < nbytes <= options.pack_threshold:
-            rows = max(1, gshape[0]) if gshape else 1
-            owned = frozenset({0}) if i % world == rank else frozenset()
-            plans.append(LeafPlan(rows, packed=True, owned=owned))
+            plans.append(LeafPlan(max(1, gshape[0]) if gshape else 1, packed=True))
+            units.append((nbytes, i, 0))
         else:
-            n_chunks = -(-gshape[0] // target) if gshape else 1
-            owned = frozenset(c for c in range(n_chunks) if (c + i) % world == rank)
-            plans.append(LeafPlan(target, owned=owned))
-    return plans, shapes
+            plans.append(LeafPlan(target))
+            if nbytes:
+                n_chunks = -(-gshape[0] // target) if gshape else 1
+                for c in range(n_chunks):
+                    rows_c = min(target, gshape[0] - c * target) if gshape else 1
+                    units.append((rows_c * row_bytes if gshape else nbytes, i, c))
+    owned: dict[int, set[int]] = {}
+    for nb, i, c in sorted(units, key=lambda u: (-u[0], u[1], u[2])):
+        k = min(range(world), key=lambda r: (load[r], r))
+        load[k] += nb
+        if k == rank:
+            owned.setdefault(i, set()).add(c)
+    out: list[LeafPlan] = []
+    for i, plan in enumerate(plans):
+        assert plan is not None
+        if plan.owned is None:  # replicated: keep only what this rank was handed
+            plan = LeafPlan(plan.chunk_rows, packed=plan.packed,
+                            owned=frozenset(owned.get(i, ())))
+        out.append(plan)
+    return out, shapes
 
 
 def _itemsize(dtype_name: str) -> int:

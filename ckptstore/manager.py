@@ -83,24 +83,33 @@ class CheckpointManager:
         changing its tensors). Collective under torch.distributed."""
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
         meta = dict(metadata or {})
         meta.update(step=step, world_size=torch.distributed.get_world_size()
                     if self.distributed else 1)
         hooks = SaveHooks(after_commit=self._retain if self.rank == 0 else None)
+        joined = False
         if self.distributed:
             group = self.group
 
             def collective(writer: Any, *args: Any, prepare_error: str | None = None) -> Any:
+                nonlocal joined
+                joined = True
                 return cdist.save_collective(writer, *args, group=group,
                                              prepare_error=prepare_error)
 
             hooks.collective = collective
         name = self.name_of(step)
-        if self.async_save:
-            self._last = self.repo.save_async(name, plain, meta, hooks=hooks)
-            return self._last
-        return self.repo.save(name, plain, meta, hooks=hooks)
+        try:
+            plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+            if self.async_save:
+                self._last = self.repo.save_async(name, plain, meta, hooks=hooks)
+                return self._last
+            return self.repo.save(name, plain, meta, hooks=hooks)
+        except Exception as exc:
+            if self.distributed and not joined:
+                # fail on every rank now instead of leaving them waiting in the collective
+                cdist.report_failure(self.group, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            raise
 
     def _retain(self, info: SaveInfo) -> None:
         drop = self.retention.to_delete(self.steps())

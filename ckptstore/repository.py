@@ -22,7 +22,6 @@ from .codecs import Codec, codec_option
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
-    CkptStoreError,
     FormatError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -262,7 +261,7 @@ class CheckpointStore:
             return self._prepare(name, state, metadata, parent)
         try:
             return self._prepare(name, state, metadata, parent)
-        except CkptStoreError as exc:
+        except Exception as exc:
             collective = hooks.collective
             error = f"{type(exc).__name__}: {exc}"
 

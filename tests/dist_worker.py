@@ -97,6 +97,20 @@ def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
                 raise AssertionError("collective save with a failing rank succeeded")
             except ckptstore.CkptStoreError as exc:
                 assert "rank 1" in str(exc) or "oops" in str(exc), str(exc)
+            class Broken:  # a Stateful whose state_dict fails on one rank only
+                def state_dict(self):
+                    if rank == 1:
+                        raise RuntimeError("state_dict exploded on rank 1")
+                    return {"ok": 1}
+
+                def load_state_dict(self, sd):
+                    pass
+
+            try:
+                mgr.save(6, {**state, "broken": Broken()})
+                raise AssertionError("collective save with a failing state_dict succeeded")
+            except (ckptstore.CkptStoreError, RuntimeError) as exc:
+                assert "exploded" in str(exc), str(exc)
             if rank == 1:
                 real_put = mgr.repo.store.put
 

@@ -9,6 +9,7 @@ dropped the dirty pages, so a retry could "succeed" over lost data.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import threading
 import uuid
@@ -171,10 +172,18 @@ class LocalStore(Store):
     def sync(self) -> None:
         with self._lock:
             dirty, self._dirty = self._dirty, set()
-        # deepest first, so a new folder's entry is synced after its contents
-        for folder in sorted(dirty, key=lambda p: len(p.parts), reverse=True):
-            if folder.is_dir():
-                fsync_dir(folder)
+        # deepest level first, so a new folder's entry is synced after its contents; the
+        # folders of one level in parallel (concurrent fsyncs share journal commits)
+        levels: dict[int, list[Path]] = {}
+        for folder in dirty:
+            levels.setdefault(len(folder.parts), []).append(folder)
+        for depth in sorted(levels, reverse=True):
+            folders = [f for f in levels[depth] if f.is_dir()]
+            if len(folders) == 1:
+                fsync_dir(folders[0])
+            elif folders:
+                with cf.ThreadPoolExecutor(min(8, len(folders))) as pool:
+                    list(pool.map(fsync_dir, folders))
 
     # -- metadata ------------------------------------------------------------------------
     def exists(self, key: str) -> bool:
