@@ -1,0 +1,1 @@
+"""Helpers of bench/dataloader_bench.py (each runner is also a standalone script)."""

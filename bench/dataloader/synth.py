@@ -1,0 +1,48 @@
+"""The synthetic data every contestant gets: deterministic, numpy only (runs in any venv).
+
+* ``tokens``: about 256M tokens (x scale) as samples of 2,049 int32 tokens (vocab 50,257).
+* ``bytes``: about 2 GB (x scale) of byte samples of uniform random size 1 KiB..63 KiB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+SEQ = 2049
+VOCAB = 50_257
+TOKENS_TOTAL = 256_000_000
+BYTES_TOTAL = 2_000_000_000
+MIN_B, MAX_B = 1 << 10, 63 << 10
+POOL = 64 << 20
+
+
+def count(kind: str, scale: float) -> int:
+    if kind == "tokens":
+        return max(1, int(TOKENS_TOTAL * scale) // SEQ)
+    sizes = byte_sizes(scale)
+    return len(sizes)
+
+
+def byte_sizes(scale: float) -> np.ndarray:
+    rng = np.random.default_rng(12345)
+    n = max(1, int(BYTES_TOTAL * scale / ((MIN_B + MAX_B) / 2)))
+    return rng.integers(MIN_B, MAX_B + 1, size=n)
+
+
+def samples(kind: str, scale: float, block: int = 4096) -> Iterator[np.ndarray | bytes]:
+    """Yield every sample of the dataset in order (the same on every call)."""
+    if kind == "tokens":
+        n = count(kind, scale)
+        for start in range(0, n, block):
+            rng = np.random.default_rng([7, start])
+            m = min(block, n - start)
+            arr = rng.integers(0, VOCAB, size=(m, SEQ), dtype=np.int32)
+            yield from arr
+        return
+    sizes = byte_sizes(scale)
+    pool = np.random.default_rng(9).bytes(POOL)  # samples are slices of one random pool
+    for i, s in enumerate(sizes):
+        off = (i * 7919 * 4099) % (POOL - int(s))
+        yield pool[off : off + int(s)]
