@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from .repository import CheckpointStore
 
 BLOB_PREFIX = "blobs/"
+#: Temp files (`.tmp-*`, a write in progress) are removed only when at least this old,
+#: whatever the grace period: a live writer's temp file exists for seconds, and deleting it
+#: would fail that write (a lease refresh, a blob put).
+TEMP_MIN_AGE = 600.0
 
 
 @dataclass(frozen=True)
@@ -180,9 +184,10 @@ def gc(repo: CheckpointStore, grace_seconds: float = 3600.0, dry_run: bool = Fal
         report.freed_bytes += info.size
         report.deleted.append(name)
     temp_files = getattr(repo.store, "temp_files", None)
+    temp_cutoff = min(cutoff, (time.time() if now is None else now) - TEMP_MIN_AGE)
     if temp_files is not None:
         for info in list(temp_files()):
-            if info.mtime <= cutoff:
+            if info.mtime <= temp_cutoff:
                 if not dry_run:
                     repo.store.delete_temp(info.key)  # type: ignore[attr-defined]
                 report.deleted_temp_files += 1
