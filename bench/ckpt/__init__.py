@@ -1,0 +1,1 @@
+"""Helpers of bench/ckpt_bench.py: synthetic states, contestants, memory meters, report."""

@@ -1,0 +1,46 @@
+"""Profile target for py-spy: one ckptstore save, restore into=, and restore new of a state.
+
+    py-spy record --idle --threads --format raw -o /tmp/ckpt.folded -- \
+        python bench/ckpt/profile_ckpt.py 1g /tmp/ckpt-prof
+
+Prints the wall time and SaveInfo.stage_seconds of each step (no page-cache dropping: the
+profile is about CPU and lock time, not the disk)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import ckptstore  # noqa: E402
+from ckpt import states as S  # noqa: E402
+
+
+def main() -> None:
+    name = sys.argv[1] if len(sys.argv) > 1 else "1g"
+    folder = Path(sys.argv[2] if len(sys.argv) > 2 else "/tmp/ckpt-prof")
+    steps = sys.argv[3].split(",") if len(sys.argv) > 3 else ["save", "into", "new"]
+    spec = S.specs(False)[name]
+    state = S.build(spec)
+    shutil.rmtree(folder, ignore_errors=True)
+    repo = ckptstore.CheckpointStore(str(folder))
+    t = time.perf_counter()
+    info = repo.save("p", state)
+    print(f"save {time.perf_counter() - t:.2f}s stages={info.stage_seconds}", flush=True)
+    dest = {k: v.clone() for k, v in state.items()} if "into" in steps else None
+    for step in steps[1:]:
+        t = time.perf_counter()
+        if step == "into":
+            ckptstore.CheckpointStore(str(folder)).load("p", into=dest)
+        elif step == "new":
+            ckptstore.CheckpointStore(str(folder)).load("p")
+        print(f"{step} {time.perf_counter() - t:.2f}s", flush=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
