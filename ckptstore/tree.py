@@ -256,7 +256,3 @@ def flatten_arrays(obj: Any, path: Path = ()) -> dict[str, Any]:
     elif isinstance(obj, (np.ndarray, Shard)) or _is_torch(obj):
         out[key_string(path)] = obj
     return out
-
-
-def nbytes_of(shape: tuple[int, ...], dtype: DType) -> int:
-    return math.prod(shape) * dtype.itemsize
