@@ -43,7 +43,7 @@ def _is_stateful(value: Any) -> bool:
 
 
 class CheckpointManager:
-    """Periodic checkpoints of a training job with retention, sync or async, single or multi-rank."""
+    """Periodic checkpoints of a training job: retention, sync or async, one rank or many."""
 
     def __init__(self, uri_or_repo: str | CheckpointStore, *, keep_last: int | None = None,
                  keep_every: int | None = None, async_save: bool = False,

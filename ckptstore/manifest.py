@@ -326,7 +326,8 @@ def _check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
             if not (isinstance(key, list) and len(key) == 2 and
                     ((key[0] == "s" and isinstance(key[1], str)) or
                      (key[0] == "i" and type(key[1]) is int))):
-                raise FormatError(f"tree dict key must be ['s', str] or ['i', int], got {key!r:.80}")
+                raise FormatError("tree dict key must be ['s', str] or ['i', int], "
+                                  f"got {key!r:.80}")
             _check_tree(item[1], n_tensors, depth + 1)
         if "meta" in node:
             _check_tree(node["meta"], n_tensors, depth + 1)

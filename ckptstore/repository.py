@@ -107,7 +107,8 @@ class CheckpointStore:
     (at most one save in flight, a new one waits for the previous).
     """
 
-    def __init__(self, uri: str | os.PathLike[str] | Store, *, create: bool = True, chunk_bytes: int | None = None,
+    def __init__(self, uri: str | os.PathLike[str] | Store, *, create: bool = True,
+                 chunk_bytes: int | None = None,
                  compression: str | Codec | None = None, workers: int = 8,
                  max_inflight_bytes: int | None = None, **store_options: Any) -> None:
         if not isinstance(uri, Store) and not create and not str(uri).startswith("memory://"):

@@ -42,7 +42,8 @@ def tensor_leaf(t: Any, key: str) -> ArrayLeaf:
     """Describe a tensor for saving. The leaf views the tensor's memory when it is on the CPU;
     other devices are copied to the CPU here."""
     if not isinstance(t, torch.Tensor):
-        raise UnsupportedTypeError(f"{key}: cannot store {type(t).__module__}.{type(t).__qualname__}")
+        kind = f"{type(t).__module__}.{type(t).__qualname__}"
+        raise UnsupportedTypeError(f"{key}: cannot store {kind}")
     if t.layout != torch.strided or t.is_quantized or t.is_meta:
         raise UnsupportedTypeError(f"{key}: only dense strided tensors can be stored "
                                    f"(got layout {t.layout}, quantized={t.is_quantized})")

@@ -13,7 +13,6 @@ Node forms (each a one-field JSON object):
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -187,7 +186,7 @@ def decode(node: Any, load_leaf: LeafLoader, keep: Callable[[str], bool] | None 
     kind, value = node_kind(node)
     if kind in ("dict", "odict"):
         out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
-        for (ktype, k), child in value:
+        for (_ktype, k), child in value:
             v = decode(child, load_leaf, keep, (*path, k))
             if v is not _DROP:
                 out[k] = v

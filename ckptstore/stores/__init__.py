@@ -42,4 +42,5 @@ def open_store(uri: str | os.PathLike[str] | Store, **options: Any) -> Store:
         from .s3 import S3Store  # only this backend imports boto3
 
         return S3Store.from_uri(uri, **options)
-    raise InvalidNameError(f"unknown store scheme {scheme!r} in {uri!r} (use a path, file://, s3://, memory://)")
+    raise InvalidNameError(f"unknown store scheme {scheme!r} in {uri!r} "
+                           "(use a path, file://, s3://, memory://)")

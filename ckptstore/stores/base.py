@@ -46,7 +46,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        """Return exactly `length` bytes from offset `start`; StoreError if the object is shorter."""
+        """Exactly `length` bytes from offset `start`; StoreError if the object is shorter."""
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         """Fill `out` (a writable byte buffer) with bytes [start, start+len(out)) of the object.
