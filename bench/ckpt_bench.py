@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "dcp_threads": [1, 2, 4],
         "s3_threads": [4, 8],
         "async_calls": 3,
-        "s3_reps": 1,
+        "s3_reps": 2,
     }
     moto = None
     if any(c in GROUPS["s3"] for _s, c in jobs):

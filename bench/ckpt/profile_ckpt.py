@@ -1,7 +1,9 @@
-"""Profile target for py-spy: one ckptstore save, restore into=, and restore new of a state.
+"""Profile target for py-spy or cProfile: one ckptstore save, then the steps asked for
+(default: restore into=, restore new; also `inc`: an incremental save, 10% changed).
 
     py-spy record --idle --threads --format raw -o /tmp/ckpt.folded -- \
         python bench/ckpt/profile_ckpt.py 1g /tmp/ckpt-prof
+    python -m cProfile -s cumtime bench/ckpt/profile_ckpt.py small20k /tmp/p save,inc
 
 Prints the wall time and SaveInfo.stage_seconds of each step (no page-cache dropping: the
 profile is about CPU and lock time, not the disk)."""
@@ -38,6 +40,13 @@ def main() -> None:
             ckptstore.CheckpointStore(str(folder)).load("p", into=dest)
         elif step == "new":
             ckptstore.CheckpointStore(str(folder)).load("p")
+        elif step == "inc":  # 10% of the bytes changed, a fresh object (knows the parent only)
+            S.touch(state, S.changed_subset(state, 0.10))
+            info = ckptstore.CheckpointStore(str(folder)).save("inc", state)
+            print(
+                f"  written {info.written_bytes / info.logical_bytes:.3f} "
+                f"stages={info.stage_seconds}"
+            )
         print(f"{step} {time.perf_counter() - t:.2f}s", flush=True)
     shutil.rmtree(folder, ignore_errors=True)
 

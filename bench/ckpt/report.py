@@ -370,6 +370,8 @@ def print_tables(derived: dict[str, dict[str, Any]], targets: list[dict[str, Any
 
     console = Console(width=160)
     states, rows = summary_rows(derived)
+    if not rows:
+        return
     t = Table(title="Checkpoint save/restore (GB/s = 1e9 B/s; best of the runs)")
     t.add_column("measure")
     for st in states:
