@@ -2,8 +2,8 @@
 """Checkpoint save/restore benchmark: ckptstore against torch.save, safetensors and
 torch.distributed.checkpoint (DCP), and against the machine's limits, in one run.
 
-    python bench/ckpt_bench.py --out bench/results/ckpt.json            # full run (~20 min)
-    python bench/ckpt_bench.py --quick --out /tmp/ckpt-quick.json       # 1/8 sizes, ~3 min
+    python bench/ckpt_bench.py --out bench/results/ckpt.json            # full run (~22 min)
+    python bench/ckpt_bench.py --quick --out /tmp/ckpt-quick.json       # 1/8 sizes, ~7 min
     python bench/ckpt_bench.py --sizes 1g --only ckptstore,dcp          # a subset
     python bench/ckpt_bench.py --sizes 1g,bf16 --only extras --out bench/results/ckpt-extras.json
                                      # codecs (ratio, speed) and a chunk_bytes x workers sweep
@@ -126,7 +126,8 @@ def machine_facts(tmp: Path) -> dict[str, Any]:
     }
     for mod in ("safetensors", "numpy", "boto3", "moto", "xxhash", "numcodecs"):
         try:
-            facts[mod] = __import__(mod).__version__
+            m = __import__(mod)
+            facts[mod] = getattr(m, "__version__", None) or getattr(m, "VERSION", None)
         except Exception:  # noqa: BLE001
             facts[mod] = None
     with open("/proc/meminfo") as f:

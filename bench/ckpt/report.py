@@ -353,6 +353,8 @@ def summary_rows(derived: dict[str, dict[str, Any]]) -> tuple[list[str], list[li
 
 def markdown_tables(derived: dict[str, dict[str, Any]], targets: list[dict[str, Any]]) -> str:
     states, rows = summary_rows(derived)
+    if not rows and not targets:
+        return ""
     lines = ["| measure | " + " | ".join(states) + " |", "|---" * (len(states) + 1) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", "| target | state | value | threshold | met |", "|---|---|---|---|---|"]
@@ -410,6 +412,7 @@ def extras_rows(results: dict[str, dict[str, Any]]) -> tuple[list[list[str]], li
     for st, by in results.items():
         c = _get(by, "ckptstore_codecs", "result") or {}
         for name, v in c.items():
+            name = "none (default)" if name == "None" else name
             codecs.append(
                 [st, name, f"{v['ratio']:.3f}", _gb(v["save_gbps"]), _gb(v["load_warm_gbps"])]
             )
