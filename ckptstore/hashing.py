@@ -18,6 +18,12 @@ def digest(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def new_hasher() -> xxhash.xxh3_128:
+    """A streaming hasher: `update()` it with consecutive pieces; its `hexdigest()` equals
+    `digest()` of the pieces joined."""
+    return xxhash.xxh3_128()
+
+
 def is_digest(value: object) -> bool:
     return isinstance(value, str) and _DIGEST_RE.fullmatch(value) is not None
 

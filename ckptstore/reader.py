@@ -112,14 +112,22 @@ class CheckpointReader:
                 raise
 
     # ------------------------------------------------------------------ jobs
-    def _fetch_into(self, entry: TensorEntry, blob: str, start: int, out: memoryview) -> None:
+    def _fetch_into(self, entry: TensorEntry, blob: str, start: int, out: memoryview,
+                    want_digest: bool = False) -> str | None:
+        """Read blob bytes [start, start+len(out)) into `out`; with `want_digest`, return the
+        digest of those bytes (hashed by the store while reading where it can)."""
         try:
-            self.store.read_into(blob_key(blob), start, out)
+            if want_digest:
+                found: str | None = self.store.read_into_digest(blob_key(blob), start, out)
+            else:
+                self.store.read_into(blob_key(blob), start, out)
+                found = None
         except ObjectNotFoundError:
             raise IntegrityError(f"tensor {entry.key!r}: blob {blob} is missing from "
                                  f"{self.store.uri}") from None
         with self._lock:
             self.bytes_read += len(out)
+        return found
 
     def _read_whole(self, p: _Piece, budget: ByteBudget) -> None:
         c, e = p.chunk, p.entry
@@ -131,23 +139,24 @@ class CheckpointReader:
             return
         dest = memoryview(p.dest)
         if e.codec is None:
-            self._fetch_into(e, c.blob, c.offset, dest)
-        else:
-            with budget.hold(c.size):
-                stored = bytearray(c.size)
-                self._fetch_into(e, c.blob, 0, memoryview(stored))
-                if digest(stored) != c.blob:
-                    raise IntegrityError(f"tensor {e.key!r}: blob {c.blob} is corrupt "
-                                         "(stored bytes do not match their digest)")
-                e.codec.decode_into(stored, dest, e.dtype.itemsize,
-                                    f"tensor {e.key!r}: blob {c.blob}")
+            if self._fetch_into(e, c.blob, c.offset, dest, want_digest=True) != c.digest:
+                raise _bad(p)
+            return
+        with budget.hold(c.size):
+            stored = bytearray(c.size)
+            if self._fetch_into(e, c.blob, 0, memoryview(stored), want_digest=True) != c.blob:
+                raise IntegrityError(f"tensor {e.key!r}: blob {c.blob} is corrupt "
+                                     "(stored bytes do not match their digest)")
+            e.codec.decode_into(stored, dest, e.dtype.itemsize,
+                                f"tensor {e.key!r}: blob {c.blob}")
         _check(p, dest)
 
     def _read_run(self, blob: str, run: list[_Piece], budget: ByteBudget) -> None:
         if len(run) == 1:
             p = run[0]
-            self._fetch_into(p.entry, blob, p.chunk.offset, memoryview(p.dest))
-            _check(p, memoryview(p.dest))
+            if self._fetch_into(p.entry, blob, p.chunk.offset, memoryview(p.dest),
+                                want_digest=True) != p.chunk.digest:
+                raise _bad(p)
             return
         lo = run[0].chunk.offset
         hi = max(p.chunk.offset + p.chunk.size for p in run)

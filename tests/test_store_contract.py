@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
 from ckptstore.errors import (
@@ -12,6 +13,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     StoreError,
 )
+from ckptstore.hashing import digest
 
 
 def test_put_get_roundtrip(store):
@@ -53,6 +55,21 @@ def test_ranged_reads(store):
     out = bytearray(100)
     store.read_into("r/data", 300, memoryview(out))
     assert bytes(out) == data[300:400]
+
+
+def test_read_into_digest_hashes_exactly_the_bytes_read(store):
+    # larger than the local store's 1 MiB hashing step, and not a multiple of it
+    data = np.random.default_rng(7).integers(0, 256, (3 << 20) + 12345, np.uint8).tobytes()
+    store.put("r/big", data)
+    for start, length in [(0, len(data)), (17, (1 << 20) + 1), (len(data) - 5, 5), (9, 0)]:
+        out = bytearray(length)
+        found = store.read_into_digest("r/big", start, memoryview(out))
+        assert bytes(out) == data[start : start + length]
+        assert found == digest(data[start : start + length])
+    with pytest.raises(StoreError):
+        store.read_into_digest("r/big", len(data) - 3, memoryview(bytearray(10)))
+    with pytest.raises(ObjectNotFoundError):
+        store.read_into_digest("r/missing", 0, memoryview(bytearray(1)))
 
 
 def test_range_past_end_is_an_error_not_a_short_read(store):

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import StoreError
+from ..hashing import digest
 
 Buffer = bytes | bytearray | memoryview
 
@@ -53,6 +54,13 @@ class Store(abc.ABC):
         Backends override this to read straight into the caller's memory."""
         data = self.get_range(key, start, len(out))
         out[:] = data
+
+    def read_into_digest(self, key: str, start: int, out: memoryview) -> str:
+        """`read_into`, then return the xxh3-128 hex digest of the bytes now in `out`.
+        Backends that can hash each piece while it is still in the CPU cache override this
+        (one pass through memory instead of two); the result must equal `digest(out)`."""
+        self.read_into(key, start, out)
+        return digest(out)
 
     @abc.abstractmethod
     def put(self, key: str, data: Buffer) -> None:
