@@ -9,9 +9,10 @@ buffers may hold partial data and must not be used.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,10 +27,20 @@ MERGE_GAP = 1 * MiB  # read across gaps up to this size instead of issuing anoth
 MERGE_LIMIT = 64 * MiB  # never merge reads into one larger than this
 
 
+def default_load_workers() -> int:
+    """Restore threads: twice the cores, 4 to 8. More threads than that only add contention
+    on small machines (measured: 4 beat 8 by 5-15% on 2 cores, local and S3)."""
+    return min(8, max(4, 2 * (os.cpu_count() or 2)))
+
+
 @dataclass(frozen=True)
 class LoadOptions:
-    workers: int = 8
+    workers: int = field(default_factory=default_load_workers)
     max_inflight_bytes: int = 512 * MiB
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.max_inflight_bytes < 1:
+            raise ValueError("workers and max_inflight_bytes must be positive")
 
 
 @dataclass(frozen=True)

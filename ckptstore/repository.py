@@ -105,11 +105,14 @@ class CheckpointStore:
 
     Thread-safety: one CheckpointStore may be shared by threads for reads; saves are serialized
     (at most one save in flight, a new one waits for the previous).
+
+    `workers` sets the threads of saves and restores alike; by default a save uses 8 and a
+    restore `reader.default_load_workers()` (two per core, 4 to 8).
     """
 
     def __init__(self, uri: str | os.PathLike[str] | Store, *, create: bool = True,
                  chunk_bytes: int | None = None,
-                 compression: str | Codec | None = None, workers: int = 8,
+                 compression: str | Codec | None = None, workers: int | None = None,
                  max_inflight_bytes: int | None = None, **store_options: Any) -> None:
         if not isinstance(uri, Store) and not create and not str(uri).startswith("memory://"):
             store_options.setdefault("create", False)  # a typo must not make a folder/bucket
@@ -122,10 +125,13 @@ class CheckpointStore:
         self.save_options = SaveOptions(
             chunk_bytes=chunk_bytes or defaults.chunk_bytes,
             pack_threshold=min(defaults.pack_threshold, chunk_bytes or defaults.chunk_bytes),
-            compression=codec_option(compression), workers=workers,
+            compression=codec_option(compression),
+            workers=defaults.workers if workers is None else workers,
             max_inflight_bytes=max_inflight_bytes or defaults.max_inflight_bytes)
-        self.load_options = LoadOptions(workers=workers, max_inflight_bytes=max_inflight_bytes
-                                        or LoadOptions().max_inflight_bytes)
+        load_defaults = LoadOptions()
+        self.load_options = LoadOptions(
+            workers=load_defaults.workers if workers is None else workers,
+            max_inflight_bytes=max_inflight_bytes or load_defaults.max_inflight_bytes)
         self._check_marker(create)
         self._known = KnownChunks()
         self._manifests: dict[str, Manifest] = {}

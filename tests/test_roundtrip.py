@@ -238,3 +238,18 @@ def test_public_names_exist():
         if name == "CheckpointManager":
             continue  # arrives with the manager issue
         assert hasattr(ckptstore, name), name
+
+
+def test_worker_counts_default_per_operation_and_can_be_set(tmp_path):
+    from ckptstore.reader import default_load_workers
+
+    repo = CheckpointStore(tmp_path / "d")
+    assert repo.save_options.workers == 8
+    assert repo.load_options.workers == default_load_workers()
+    assert 4 <= default_load_workers() <= 8
+    two = CheckpointStore(tmp_path / "d", workers=2)
+    assert two.save_options.workers == two.load_options.workers == 2
+    two.save("w", {"x": torch.arange(10)})
+    assert torch.equal(two.load("w")["x"], torch.arange(10))
+    with pytest.raises(ValueError):
+        CheckpointStore(tmp_path / "d", workers=0)
