@@ -216,6 +216,35 @@ def limits(ctx: Ctx) -> dict[str, Any]:
         out[f"raw_read_{mode}_best"] = {**reads[best_n], "threads": int(best_n)}
     # sanity: the files hold the state
     assert _equal(dst, state), "raw read returned other bytes than written"
+
+    # -- raw read into freshly allocated tensors: what a restore into new objects can reach
+    # (first-touch page faults of new memory are part of it), at the best preallocated count
+    def read_files_new(threads: int) -> dict[str, Any]:
+        fresh = {k: torch.empty_like(t) for k, t in state.items()}
+        views = {k: byte_view(t) for k, t in fresh.items()}
+
+        def one(i: int) -> None:
+            fd = os.open(folder / f"{i:06d}", os.O_RDONLY)
+            try:
+                read_all(fd, [memoryview(views[k][lo:hi]) for k, lo, hi in plan[i]])
+            finally:
+                os.close(fd)
+
+        with cf.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, range(len(plan))))
+        return fresh
+
+    def check_new(fresh: dict[str, Any]) -> None:
+        assert _equal(fresh, state), "raw read into new tensors returned other bytes"
+
+    for mode in ("cold", "warm"):
+        n = out[f"raw_read_{mode}_best"]["threads"]
+        if mode == "warm":
+            read_files_new(n)
+        out[f"raw_read_new_{mode}"] = {
+            **_reads(ctx, lambda n=n: read_files_new(n), cold=mode == "cold", check=check_new),
+            "threads": n,
+        }
     rmtree(folder)
     return out
 

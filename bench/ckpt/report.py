@@ -36,6 +36,7 @@ def derive(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         d["raw_write_threads"] = _get(lim, "raw_write_fsync_best", "threads")
         for m in ("cold", "warm"):
             d[f"raw_read_{m}_gbps"] = _get(lim, f"raw_read_{m}_best", "gbps")
+            d[f"raw_read_new_{m}_gbps"] = _get(lim, f"raw_read_new_{m}", "gbps")
             d[f"torch_load_{m}_gbps"] = _get(ts, f"load_{m}", "gbps")
             d[f"safetensors_load_{m}_gbps"] = _get(sf, f"load_{m}", "gbps")
             d[f"dcp_load_{m}_gbps"] = _get(dc, f"load_{m}", "gbps")
@@ -268,6 +269,11 @@ SUMMARY_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("memory copy, preallocated (GB/s)", "memcpy_gbps", _gb),
     ("raw parallel write+fsync (GB/s)", "raw_write_gbps", _gb),
     ("raw parallel read cold / warm (GB/s)", ("raw_read_cold_gbps", "raw_read_warm_gbps"), _gb),
+    (
+        "raw parallel read into new tensors cold / warm (GB/s)",
+        ("raw_read_new_cold_gbps", "raw_read_new_warm_gbps"),
+        _gb,
+    ),
     ("torch.save + fsync (GB/s)", "torch_save_gbps", _gb),
     ("torch.save, no fsync (GB/s)", "torch_save_nofsync_gbps", _gb),
     ("safetensors save_file + fsync (GB/s)", "safetensors_save_gbps", _gb),
