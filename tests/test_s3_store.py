@@ -29,6 +29,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     StoreError,
 )
+from ckptstore.hashing import digest
 from ckptstore.stores import open_store
 from ckptstore.stores.s3 import MiB, S3Store
 
@@ -519,6 +520,13 @@ def test_truncated_body_is_retried_and_resumed(faulty_store: S3Store, faults: Fa
     resumed_at = int(second["range"].split("=")[1].split("-")[0])
     assert 11 < resumed_at <= 11 + 3 * MiB // 2 + 1
     assert second["if_match"] is not None
+    # read_into_digest(): resumed the same way, and hashes exactly the bytes delivered
+    faults.reset()
+    faults.add("truncate", "GET", "/repo/t/big")
+    out = bytearray(3 * MiB)
+    assert faulty_store.read_into_digest("t/big", 11, memoryview(out)) == digest(data[11:])
+    assert out == data[11:]
+    assert len(faults.requests("GET", "/repo/t/big")) == 2
 
 
 def test_truncated_body_gives_up_after_bounded_retries(faulty_store: S3Store,
@@ -556,6 +564,20 @@ def test_replaced_object_is_never_read_as_a_mix(faulty_store: S3Store, faults: F
     faulty_store._client.get_object = get_object  # type: ignore[method-assign]
     faulty_store.read_into("t/obj", 0, memoryview(out))
     assert bytes(out) == new  # started over on the new version, no mix of old and new
+    # the digest computed while reading starts over with the bytes
+    replace_then_cut.done = False  # type: ignore[attr-defined]
+    faults.rules.append(Rule(replace_then_cut, "truncate"))
+    out[:] = bytes(len(out))
+
+    def get_object_old(**kwargs: Any) -> Any:
+        if "IfMatch" in kwargs:
+            with S3Store.from_uri(faulty_store.uri, endpoint_url=moto_endpoint) as other:
+                other.put("t/obj", old)
+        return original(**kwargs)
+
+    faulty_store._client.get_object = get_object_old  # type: ignore[method-assign]
+    assert faulty_store.read_into_digest("t/obj", 0, memoryview(out)) == digest(old)
+    assert bytes(out) == old
 
 
 def test_create_lost_reply_then_retry_is_success(faulty_store: S3Store, faults: FaultPlan,

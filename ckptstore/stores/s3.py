@@ -58,6 +58,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ..errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
+from ..hashing import new_hasher
 from ..names import validate_key, validate_prefix
 from .base import Buffer, ObjectInfo, Store, check_range, short_read
 
@@ -451,6 +452,15 @@ class S3Store(Store):
             return
         self._fetch(key, full, start, len(view), view)
 
+    def read_into_digest(self, key: str, start: int, out: memoryview) -> str:
+        view = out if out.format == "B" and out.ndim == 1 else out.cast("B")
+        if len(view) == 0:
+            return super().read_into_digest(key, start, view)
+        hasher = new_hasher()  # fed each READ_STEP piece as it arrives, while in cache
+        check_range(key, start, len(view))
+        self._fetch(key, self._key(key), start, len(view), view, hasher)
+        return hasher.hexdigest()
+
     def _check_empty_range(self, key: str, full: str, start: int) -> None:
         """A zero-length read: no impossible 'bytes=a-(a-1)' GET; the key must exist and
         `start` must not lie past its end."""
@@ -459,13 +469,16 @@ class S3Store(Store):
             raise short_read(key, start, 0, 0)
 
     def _fetch(
-        self, key: str, full: str, start: int, length: int | None, out: memoryview | None
+        self, key: str, full: str, start: int, length: int | None, out: memoryview | None,
+        hasher: Any = None,
     ) -> bytes | None:
         """GET bytes [start, start+length) (the whole object if length is None).
 
         Into `out` if given (resuming after a broken body from where it stopped, pinned to the
         first reply's ETag), else returned as bytes. A body that breaks off is retried up to
         `read_retries` times; a reply shorter than asked (range past the end) is a StoreError.
+        `hasher` (with `out` only) is updated with exactly the bytes `out` holds when this
+        returns, piece by piece as they arrive (reset whenever the read starts over).
         """
         pos = 0  # bytes already in `out`
         etag: str | None = None
@@ -494,6 +507,8 @@ class S3Store(Store):
                             f"read {self._where(key)}: object kept changing while being read"
                         ) from exc
                     pos, etag = 0, None
+                    if hasher is not None:
+                        hasher.reset()
                     continue
                 raise self._error(exc, "read", key) from exc
             except BotoCoreError as exc:
@@ -523,6 +538,8 @@ class S3Store(Store):
                     got = body.readinto(out[pos : pos + min(READ_STEP, len(out) - pos)])
                     if not got:
                         raise _Truncated()
+                    if hasher is not None:
+                        hasher.update(out[pos : pos + got])
                     pos += got
                 if body.read(1):  # also makes botocore verify length and checksum
                     raise StoreError(f"read {self._where(key)}: server sent more than asked")
@@ -538,6 +555,8 @@ class S3Store(Store):
                              type(exc).__name__)
                 if out is None or etag is None:
                     pos = 0
+                    if hasher is not None:
+                        hasher.reset()
                 time.sleep(min(1.0, 0.05 * 2**failures) * random.random())
             finally:
                 body.close()
