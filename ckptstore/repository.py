@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -44,6 +45,13 @@ REPO_FORMAT = "ckptstore"
 REPO_VERSION = 1
 _MARKER = {"format": REPO_FORMAT, "version": REPO_VERSION, "hash": HASH_NAME}
 LATEST = "latest"
+# canonical JSON sorts keys, so every manifest starts with its creation time
+_HEADER_RE = re.compile(rb'\{"created":(-?[0-9][0-9.eE+-]*),"format":"ckptstore\.manifest"')
+_HEADER_BYTES = 96
+
+
+class _NoHeader(Exception):
+    """A manifest does not start with the canonical creation-time header."""
 
 
 def manifest_key(name: str) -> str:
@@ -193,11 +201,15 @@ class CheckpointStore:
 
     def names(self) -> list[str]:
         """Names of the committed checkpoints, unordered (one listing, no manifest reads)."""
-        out = []
+        return list(self._listing())
+
+    def _listing(self) -> dict[str, int]:
+        """name -> manifest size in bytes, from one listing."""
+        out = {}
         for info in self.store.list(MANIFEST_PREFIX):
             rest = info.key[len(MANIFEST_PREFIX):]
             if rest.endswith(".json") and "/" not in rest:
-                out.append(rest[: -len(".json")])
+                out[rest[: -len(".json")]] = info.size
         return out
 
     def list(self) -> list[CheckpointInfo]:
@@ -216,9 +228,34 @@ class CheckpointStore:
             return None
 
     def latest(self) -> str | None:
-        """Name of the newest checkpoint, or None if there is none."""
-        infos = self.list()
-        return infos[-1].name if infos else None
+        """Name of the newest checkpoint (by creation time, then name), or None if there is
+        none. Reads only the first bytes of each manifest, where canonical JSON puts
+        "created"; falls back to parsing every manifest if one does not start that way."""
+        listing = self._listing()
+        try:
+            with cf.ThreadPoolExecutor(8) as pool:
+                created = list(pool.map(lambda item: self._created(*item), listing.items()))
+        except _NoHeader:
+            infos = self.list()
+            return infos[-1].name if infos else None
+        found = [(c, name) for c, name in zip(created, listing) if c is not None]
+        return max(found)[1] if found else None
+
+    def _created(self, name: str, size: int) -> float | None:
+        """Creation time of a checkpoint from its manifest's first bytes; None if it was
+        deleted meanwhile. Raises _NoHeader if those bytes do not have the expected form."""
+        with self._cache_lock:
+            cached = self._manifests.get(name)
+        if cached is not None:
+            return cached.created
+        try:
+            head = self.store.get_range(manifest_key(name), 0, min(size, _HEADER_BYTES))
+        except ObjectNotFoundError:
+            return None
+        match = _HEADER_RE.match(head)
+        if match is None:
+            raise _NoHeader(name)
+        return float(match.group(1))
 
     def exists(self, name: str) -> bool:
         return self.store.exists(manifest_key(name))

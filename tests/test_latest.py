@@ -1,0 +1,69 @@
+"""`latest()` finds the newest checkpoint from the first bytes of each manifest, without
+parsing every manifest in the repository."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ckptstore import CheckpointStore, FormatError
+from ckptstore import manifest as manifest_mod
+
+
+def _repo(store_uri: str, store_options: dict) -> CheckpointStore:
+    return CheckpointStore(store_uri, **store_options)
+
+
+def _save_three(repo: CheckpointStore) -> None:
+    # created times are increasing; names are not in creation order
+    for name in ("zeta", "alpha", "mid"):
+        repo.save(name, {"w": torch.arange(4) + len(name)})
+
+
+def test_latest_is_newest_by_creation_time(store_uri, store_options):
+    repo = _repo(store_uri, store_options)
+    assert repo.latest() is None
+    _save_three(repo)
+    fresh = _repo(store_uri, store_options)
+    assert fresh.latest() == "mid"
+    assert [i.name for i in fresh.list()] == ["zeta", "alpha", "mid"]
+    fresh.delete("mid")
+    assert _repo(store_uri, store_options).latest() == "alpha"
+
+
+def test_latest_parses_no_manifest(store_uri, store_options, monkeypatch):
+    _save_three(_repo(store_uri, store_options))
+    fresh = _repo(store_uri, store_options)
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("latest() parsed a whole manifest")
+
+    monkeypatch.setattr("ckptstore.repository.parse_manifest", no_parse)
+    assert fresh.latest() == "mid"
+
+
+def test_a_corrupt_older_manifest_does_not_hide_the_latest(store_uri, store_options):
+    repo = _repo(store_uri, store_options)
+    _save_three(repo)
+    key = "checkpoints/zeta.json"
+    raw = repo.store.get(key)
+    repo.store.put(key, raw[:200] + b"garbage")  # header intact, body broken
+    fresh = _repo(store_uri, store_options)
+    assert fresh.latest() == "mid"
+    assert torch.equal(fresh.load()["w"], torch.arange(4) + 3)
+    with pytest.raises(FormatError):
+        fresh.list()
+
+
+def test_manifest_without_canonical_header_falls_back_to_parsing(store_uri, store_options):
+    repo = _repo(store_uri, store_options)
+    _save_three(repo)
+    # the same document, pretty-printed: valid, but "created" is not in the first bytes
+    key = "checkpoints/mid.json"
+    doc = json.loads(repo.store.get(key))
+    repo.store.put(key, json.dumps(doc, indent=2, sort_keys=False).encode())
+    fresh = _repo(store_uri, store_options)
+    assert manifest_mod.parse_manifest(fresh.store.get(key), expected_name="mid").name == "mid"
+    assert fresh.latest() == "mid"
