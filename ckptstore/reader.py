@@ -89,6 +89,13 @@ class CheckpointReader:
             if t.buffer.nbytes != t.nbytes:
                 raise ValueError(f"buffer for {e.key!r} has {t.buffer.nbytes} bytes, "
                                  f"needs {t.nbytes}")
+            if t.rows is None and len(e.chunks) == 1:  # the common small tensor: one piece
+                c = e.chunks[0]
+                if e.codec is None and (c.offset != 0 or c.blob != c.digest):
+                    raw_groups[c.blob].append(_Piece(e, c, t.buffer))
+                else:
+                    whole.append(_Piece(e, c, t.buffer))
+                continue
             want = t.rows or ((0, e.shape[0]) if e.shape else (0, 1))
             if not 0 <= want[0] <= want[1] <= (e.shape[0] if e.shape else 1):
                 raise ValueError(f"rows {want} out of range for {e.key!r} of shape {e.shape}")
