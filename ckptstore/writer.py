@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,7 +73,10 @@ class SaveInfo:
     chunks_reused: int
     seconds: float  # wall time from call to commit
     blocked_seconds: float  # time the caller waited (async saves: staging only)
-    stage_seconds: dict[str, float] = field(default_factory=dict)  # summed over workers
+    # seconds per stage, summed over workers (and so including their waits for the GIL):
+    # stage (copies), hash, lookup (digest + dedup lookup of small packed arrays), compress,
+    # write, commit
+    stage_seconds: dict[str, float] = field(default_factory=dict)
     peak_extra_bytes: int = 0
 
     @property
@@ -105,6 +108,12 @@ class KnownChunks:
         with self._lock:
             self._refs.setdefault(self._key(ref.digest, codec), ref)
 
+    def add_many(self, refs: Iterable[ChunkRef]) -> None:
+        """`add` for uncompressed chunks, under one lock."""
+        with self._lock:
+            for ref in refs:
+                self._refs.setdefault((ref.digest, None), ref)
+
     def find(self, raw_digest: str, nbytes: int, codec: Codec | None) -> ChunkRef | None:
         with self._lock:
             ref = self._refs.get(self._key(raw_digest, codec))
@@ -129,9 +138,17 @@ class _Stats:
         try:
             yield
         finally:
-            dt = time.perf_counter() - t0
-            with self.lock:
-                self.seconds[stage] += dt
+            self.add(stage, time.perf_counter() - t0)
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self.lock:
+            self.seconds[stage] += seconds
+
+    def count_many(self, reused: int, chunks_reused: int) -> None:
+        """Account for `chunks_reused` chunks of `reused` bytes in all."""
+        with self.lock:
+            self.reused += reused
+            self.chunks_reused += chunks_reused
 
     def count(self, written: int = 0, reused: int = 0) -> None:
         with self.lock:
@@ -226,29 +243,32 @@ class CheckpointWriter:
         return ref
 
     def _pack_job(self, members: list[tuple[int, ArrayLeaf]]) -> dict[int, ChunkRef]:
-        """Pack small arrays into one blob; members already known are referenced, not packed."""
+        """Pack small arrays into one blob; members already known are referenced, not packed.
+        Per member only a digest and a lookup: the stats are summed once per pack."""
         refs: dict[int, ChunkRef] = {}
-        todo: list[tuple[int, ArrayLeaf, memoryview, str]] = []
+        todo: list[tuple[int, memoryview, str]] = []
+        reused = 0
+        t0 = time.perf_counter()
         for index, leaf in members:
-            arr = np.ascontiguousarray(leaf.array)
-            raw = _flat_bytes(arr)
-            with self.stats.timed("hash"):
-                d = digest(raw)
+            raw = _flat_bytes(np.ascontiguousarray(leaf.array))
+            d = digest(raw)
             ref = self.known.find(d, len(raw), None)
             if ref is not None:
                 refs[index] = ref
-                self.stats.count(reused=len(raw))
+                reused += len(raw)
             else:
-                todo.append((index, leaf, raw, d))
+                todo.append((index, raw, d))
+        self.stats.add("lookup", time.perf_counter() - t0)
+        self.stats.count_many(reused=reused, chunks_reused=len(members) - len(todo))
         if not todo:
             return refs
-        total = sum(len(raw) for _i, _l, raw, _d in todo)
+        total = sum(len(raw) for _i, raw, _d in todo)
         with self.budget.hold(total):
             pack = bytearray(total)
             offsets = []
             pos = 0
             with self.stats.timed("stage"):
-                for _index, _leaf, raw, _d in todo:
+                for _index, raw, _d in todo:
                     pack[pos : pos + len(raw)] = raw
                     offsets.append(pos)
                     pos += len(raw)
@@ -256,10 +276,10 @@ class CheckpointWriter:
                 pack_digest = digest(pack)
             wrote = self._put_blob(pack_digest, pack)
             self.stats.count(written=total if wrote else 0, reused=0 if wrote else total)
-        for (index, _leaf, raw, d), off in zip(todo, offsets):
-            ref = ChunkRef(pack_digest, off, len(raw), len(raw), d)
-            refs[index] = ref
-            self.known.add(ref, None)
+        new_refs = [(index, ChunkRef(pack_digest, off, len(raw), len(raw), d))
+                    for (index, raw, d), off in zip(todo, offsets)]
+        refs.update(new_refs)
+        self.known.add_many(ref for _index, ref in new_refs)
         return refs
 
     # ---------------------------------------------------------------- blobs of many leaves
