@@ -43,7 +43,7 @@ class Codec:
         arr = np.frombuffer(raw, dtype=np.uint8)
         return bytes(self._numcodec(typesize).encode(arr))
 
-    def decode_into(self, stored: bytes | memoryview, out: memoryview, typesize: int,
+    def decode_into(self, stored: bytes | bytearray | memoryview, out: memoryview, typesize: int,
                     what: str) -> None:
         """Decompress into `out`, which must come out exactly full."""
         dest = np.frombuffer(out, dtype=np.uint8)

@@ -12,7 +12,9 @@ import concurrent.futures as cf
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -114,7 +116,8 @@ class CheckpointReader:
                 else:
                     whole.append(piece)
         budget = ByteBudget(self.options.max_inflight_bytes)
-        jobs = [(self._read_whole, (p, budget)) for p in whole]
+        jobs: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+            (self._read_whole, (p, budget)) for p in whole]
         for blob, pieces in raw_groups.items():
             for run in _merge_runs(pieces):
                 jobs.append((self._read_run, (blob, run, budget)))
@@ -155,7 +158,7 @@ class CheckpointReader:
                 self._read_whole(_Piece(e, c, full), budget)
                 p.dest[:] = full[p.skip : p.skip + len(p.dest)]
             return
-        dest = memoryview(p.dest)
+        dest = p.dest.data
         if e.codec is None:
             if self._fetch_into(e, c.blob, c.offset, dest, want_digest=True) != c.digest:
                 raise _bad(p)
@@ -172,7 +175,7 @@ class CheckpointReader:
     def _read_run(self, blob: str, run: list[_Piece], budget: ByteBudget) -> None:
         if len(run) == 1:
             p = run[0]
-            if self._fetch_into(p.entry, blob, p.chunk.offset, memoryview(p.dest),
+            if self._fetch_into(p.entry, blob, p.chunk.offset, p.dest.data,
                                 want_digest=True) != p.chunk.digest:
                 raise _bad(p)
             return

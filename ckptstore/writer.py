@@ -183,7 +183,7 @@ def storage_refs(leaves: list[ArrayLeaf]) -> list[StorageRef | None]:
 
 def _flat_bytes(block: np.ndarray) -> memoryview:
     """Flat byte view of a C-contiguous array."""
-    return memoryview(block.reshape(-1).view(np.uint8)) if block.size else memoryview(b"")
+    return block.reshape(-1).view(np.uint8).data if block.size else memoryview(b"")
 
 
 class CheckpointWriter:
@@ -200,7 +200,7 @@ class CheckpointWriter:
         self._claim_lock = threading.Lock()
 
     # ---------------------------------------------------------------- one blob
-    def _put_blob(self, blob: str, data: memoryview | bytes) -> bool:
+    def _put_blob(self, blob: str, data: memoryview | bytes | bytearray) -> bool:
         """Write a blob unless this save already did; True if written here."""
         with self._claim_lock:
             if blob in self._claimed:
@@ -299,16 +299,14 @@ class CheckpointWriter:
                 for c, start, stop in plan.local_chunks(leaf):
                     futures[pool.submit(self._chunk_job, leaf, start, stop)] = (i, c)
             for group in _pack_groups(packed, leaves, opts.chunk_bytes):
-                fut = pool.submit(self._pack_job, [(i, leaves[i]) for i in group])
-                futures[fut] = (-1, -1)
+                futures[pool.submit(self._pack_job, [(i, leaves[i]) for i in group])] = (-1, -1)
             try:
-                for fut in cf.as_completed(futures):
-                    i, c = futures[fut]
-                    result = fut.result()
+                for done in cf.as_completed(futures):
+                    i, c = futures[done]
                     if i >= 0:
-                        refs[(i, c)] = result
+                        refs[(i, c)] = done.result()
                     else:
-                        refs.update(((j, 0), ref) for j, ref in result.items())
+                        refs.update(((j, 0), ref) for j, ref in done.result().items())
             except BaseException:
                 for f in futures:
                     f.cancel()
