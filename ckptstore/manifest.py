@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import gc
 import json
+import json.encoder
 import math
+import re
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from .codecs import Codec, parse_codec
-from .dtypes import DType, by_name
+from .dtypes import DTYPES, DType, by_name
 from .errors import FormatError
 from .hashing import HASH_NAME, check_digest
 from .names import validate_name
 
+_json_str = json.encoder.encode_basestring  # json.dumps' string writer (ensure_ascii=False)
 FORMAT_NAME = "ckptstore.manifest"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 30
@@ -47,8 +51,13 @@ def gc_paused() -> Iterator[None]:
 
 def canonical_json(doc: Any) -> bytes:
     """Sorted keys, no spaces, UTF-8, no NaN: equal documents give equal bytes."""
+    return _canonical_str(doc).encode("utf-8")
+
+
+def _canonical_str(doc: Any) -> str:
+    """`canonical_json` before UTF-8 encoding."""
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
+                      allow_nan=False)
 
 
 @dataclass(frozen=True)
@@ -186,13 +195,15 @@ class Manifest:
             return self._to_bytes()
 
     def _to_bytes(self) -> bytes:
-        doc = {
-            "format": FORMAT_NAME, "version": self.version, "hash": HASH_NAME,
-            "name": self.name, "created": self.created, "parent": self.parent,
-            "metadata": self.metadata, "tree": self.tree,
-            "tensors": [t.to_json() for t in self.tensors],
-        }
-        return canonical_json(doc)
+        """canonical_json of the whole document, assembled from three parts (the keys sort as
+        head < "tensors" < tail) so that each tensor entry can be written by `_entry_json`."""
+        head = _canonical_str({
+            "created": self.created, "format": FORMAT_NAME, "hash": HASH_NAME,
+            "metadata": self.metadata, "name": self.name, "parent": self.parent})
+        tail = _canonical_str({"tree": self.tree, "version": self.version})
+        tensors = ",".join(_entry_json(t) if _entry_ok(t) else _canonical_str(t.to_json())
+                           for t in self.tensors)
+        return f'{head[:-1]},"tensors":[{tensors}],{tail[1:]}'.encode()
 
 
 # ---------------------------------------------------------------- parsing untrusted bytes
@@ -212,7 +223,8 @@ def _bool(value: Any, where: str) -> bool:
     return value
 
 
-def _dict(value: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+def _dict(value: Any, where: str, required: AbstractSet[str],
+          optional: AbstractSet[str] = frozenset()) -> dict:
     if not isinstance(value, dict):
         raise _fail(where, f"expected an object, got {type(value).__name__}")
     missing = required - value.keys()
@@ -239,6 +251,214 @@ def _parse_chunk(doc: Any, where: str) -> ChunkRef:
         nbytes=_int(d["nbytes"], f"{where}.nbytes", 0, MAX_CHUNK_BYTES),
         digest=check_digest(d["digest"], f"{where}.digest"),
     )
+
+
+# Fast path. `_fast_tensor` accepts a tensor entry only in exactly the form `to_json` writes and
+# only if `_entry_ok` passes, which makes every check `_parse_tensor` makes; anything else goes to
+# `_parse_tensor`, which accepts it or raises a FormatError naming what is wrong. So the fast path
+# changes speed, never the verdict or the message (tests/test_small_tensors_fast.py checks this).
+_HI = 1 << 62  # `_int`'s default upper bound
+_HEX_RUN = re.compile(r"[0-9a-f]*")
+_TENSOR_FIELDS = frozenset({"zarr_format", "node_type", "shape", "data_type", "chunk_grid",
+                            "chunk_key_encoding", "fill_value", "codecs", "attributes"})
+_CHUNK_FIELDS = frozenset({"blob", "offset", "size", "nbytes", "digest"})
+_STORAGE_FIELDS = frozenset({"id", "nbytes", "offset", "stride"})
+_BASE_ATTRS = frozenset({"key", "kind", "dtype", "chunk_rows", "codec", "chunks"})
+_TORCH_ATTRS = _BASE_ATTRS | {"requires_grad", "parameter"}
+#: (kind, has storage) -> the exact attribute fields `to_json` writes
+_ATTR_FIELDS = {("torch", False): _TORCH_ATTRS, ("torch", True): _TORCH_ATTRS | {"storage"},
+                ("numpy", False): _BASE_ATTRS, ("bytes", False): _BASE_ATTRS}
+#: zarr fields that depend only on (dtype, codec), computed once by `to_json` itself
+_ZARR_FIXED = ("zarr_format", "node_type", "data_type", "chunk_key_encoding", "fill_value",
+               "codecs")
+_zarr_fixed_cache: dict[tuple[str, Codec | None], tuple[Any, ...]] = {}
+
+
+def _zarr_fixed(dtype: DType, codec: Codec | None) -> tuple[Any, ...]:
+    """Values of the `_ZARR_FIXED` fields `to_json` writes for this dtype and codec."""
+    key = (dtype.name, codec)
+    fixed = _zarr_fixed_cache.get(key)
+    if fixed is None:
+        doc = TensorEntry("", "numpy", dtype, (), 1, codec, ()).to_json()
+        fixed = _zarr_fixed_cache[key] = tuple(doc[f] for f in _ZARR_FIXED)
+    return fixed
+
+
+def _storage_ok(e: TensorEntry) -> bool:
+    """The storage checks of `_parse_tensor`, on exact types."""
+    st = e.storage
+    if type(st) is not StorageRef or e.kind != "torch":
+        return False
+    sid, nbytes, offset, stride = st.id, st.nbytes, st.offset, st.stride
+    if (type(sid) is not int or type(nbytes) is not int or type(offset) is not int
+            or type(stride) is not tuple or len(stride) != len(e.shape)
+            or not (0 <= sid <= _HI and 0 <= nbytes <= _HI and 0 <= offset <= _HI)):
+        return False
+    for x in stride:
+        if type(x) is not int or not 0 <= x <= _HI:
+            return False
+    if math.prod(e.shape):
+        extent = offset + sum((n - 1) * x for n, x in zip(e.shape, stride)) + 1
+        if extent * e.dtype.itemsize > nbytes:
+            return False
+    return True
+
+
+def _chunks_ok(e: TensorEntry) -> bool:
+    """The chunk-list checks of `_parse_tensor` (count, declared sizes, extents, digests)."""
+    shape, rows, codec, chunks = e.shape, e.chunk_rows, e.codec, e.chunks
+    itemsize = e.dtype.itemsize
+    if type(chunks) is not tuple or len(chunks) != expected_chunk_count(shape, rows, itemsize):
+        return False
+    row_bytes = math.prod(shape[1:]) * itemsize
+    digests = []
+    for i, c in enumerate(chunks):
+        if type(c) is not ChunkRef:
+            return False
+        blob, dg, offset, size, nbytes = c.blob, c.digest, c.offset, c.size, c.nbytes
+        if (type(blob) is not str or type(dg) is not str or len(blob) != 32 or len(dg) != 32
+                or type(offset) is not int or type(size) is not int or type(nbytes) is not int
+                or not (0 <= offset <= _HI and 0 <= size <= 2 * MAX_CHUNK_BYTES
+                        and 0 <= nbytes <= MAX_CHUNK_BYTES)):
+            return False
+        if shape:
+            start = i * rows
+            want = (min(shape[0], start + rows) - start) * row_bytes
+        else:
+            want = itemsize
+        if nbytes != want:
+            return False
+        if codec is None:
+            if size != nbytes:
+                return False
+        elif offset != 0 or size > 2 * nbytes + 65536:
+            return False
+        digests.append(blob)
+        digests.append(dg)
+    return _HEX_RUN.fullmatch("".join(digests)) is not None
+
+
+def _entry_ok(e: TensorEntry) -> bool:
+    """True if `e` passes every check `_parse_tensor` makes on the ckptstore attributes and
+    holds exactly the types parsing produces (str, int, bool, tuples, the DTYPES object,
+    Codec/ChunkRef/StorageRef)."""
+    shape, rows, codec, dtype = e.shape, e.chunk_rows, e.codec, e.dtype
+    if (type(e.key) is not str or type(e.kind) is not str or e.kind not in TENSOR_KINDS
+            or type(dtype) is not DType or DTYPES.get(dtype.name) is not dtype
+            or type(shape) is not tuple or len(shape) > MAX_DIMS
+            or type(rows) is not int or not (1 if shape else 0) <= rows <= _HI
+            or type(e.requires_grad) is not bool or type(e.parameter) is not bool):
+        return False
+    for n in shape:
+        if type(n) is not int or not 0 <= n <= _HI:
+            return False
+    if codec is not None and (type(codec) is not Codec or type(codec.id) is not str
+                              or type(codec.level) is not int
+                              or not -100 <= codec.level <= 100):
+        return False
+    if e.storage is not None and not _storage_ok(e):
+        return False
+    if e.kind != "torch" and (e.requires_grad or e.parameter):
+        return False
+    if e.kind == "bytes" and (dtype.name != "uint8" or len(shape) != 1):
+        return False
+    return _chunks_ok(e)
+
+
+def _fast_tensor(doc: Any) -> TensorEntry | None:
+    """The entry `doc` describes if `doc` is exactly what `TensorEntry.to_json` writes for an
+    entry passing `_entry_ok`; None otherwise (then `_parse_tensor` decides)."""
+    if type(doc) is not dict or doc.keys() != _TENSOR_FIELDS:
+        return None
+    attrs = doc["attributes"]
+    if type(attrs) is not dict or len(attrs) != 1 or type(a := attrs.get("ckptstore")) is not dict:
+        return None
+    kind, storage_doc = a.get("kind"), a.get("storage")
+    if type(kind) is not str or a.keys() != _ATTR_FIELDS.get((kind, storage_doc is not None)):
+        return None
+    shape, chunk_docs, dtype_name = doc["shape"], a["chunks"], a["dtype"]
+    if type(shape) is not list or type(chunk_docs) is not list or type(dtype_name) is not str:
+        return None
+    dtype = DTYPES.get(dtype_name)
+    chunks = []
+    for c in chunk_docs:
+        if type(c) is not dict or c.keys() != _CHUNK_FIELDS:
+            return None
+        chunks.append(ChunkRef(c["blob"], c["offset"], c["size"], c["nbytes"], c["digest"]))
+    storage = None
+    if storage_doc is not None:
+        if (type(storage_doc) is not dict or storage_doc.keys() != _STORAGE_FIELDS
+                or type(storage_doc["stride"]) is not list):
+            return None
+        storage = StorageRef(storage_doc["id"], storage_doc["nbytes"], storage_doc["offset"],
+                             tuple(storage_doc["stride"]))
+    try:
+        codec = parse_codec(a["codec"])
+    except FormatError:
+        return None
+    if dtype is None:
+        return None
+    entry = TensorEntry(a["key"], kind, dtype, tuple(shape), a["chunk_rows"], codec,
+                        tuple(chunks), a.get("requires_grad", False), a.get("parameter", False),
+                        storage)
+    if not _entry_ok(entry):
+        return None
+    if (doc["zarr_format"], doc["node_type"], doc["data_type"], doc["chunk_key_encoding"],
+            doc["fill_value"], doc["codecs"]) != _zarr_fixed(dtype, codec):
+        return None
+    grid = {"name": "regular", "configuration": {"chunk_shape": entry.zarr_chunk_shape()}}
+    return entry if doc["chunk_grid"] == grid else None
+
+
+_fixed_json_cache: dict[tuple[str, Codec | None], tuple[str, str]] = {}
+
+
+def _fixed_json(dtype: DType, codec: Codec | None) -> tuple[str, str]:
+    """(canonical JSON of the codec attribute, canonical JSON of the fixed zarr fields that sort
+    between "chunk_grid" and "node_type", without braces) for this dtype and codec."""
+    key = (dtype.name, codec)
+    fixed = _fixed_json_cache.get(key)
+    if fixed is None:
+        doc = dict(zip(_ZARR_FIXED, _zarr_fixed(dtype, codec)))
+        later = {k: doc[k] for k in ("chunk_key_encoding", "codecs", "data_type", "fill_value")}
+        fixed = (_canonical_str(None if codec is None else codec.to_json()),
+                 _canonical_str(later)[1:-1])
+        _fixed_json_cache[key] = fixed
+    return fixed
+
+
+def _entry_json(e: TensorEntry) -> str:
+    """`_canonical_str(e.to_json())`, written directly (a third of the time of `json.dumps`).
+    Only for an entry passing `_entry_ok`: its digests are hex and its numbers exact ints, so
+    they need no escaping; tests/test_small_tensors_fast.py checks the equality."""
+    codec_json, fixed = _fixed_json(e.dtype, e.codec)
+    chunks = ",".join(
+        f'{{"blob":"{c.blob}","digest":"{c.digest}","nbytes":{c.nbytes},'
+        f'"offset":{c.offset},"size":{c.size}}}' for c in e.chunks)
+    torch_attrs = ""
+    if e.kind == "torch":
+        torch_attrs = (f',"parameter":{"true" if e.parameter else "false"}'
+                       f',"requires_grad":{"true" if e.requires_grad else "false"}')
+    st = e.storage
+    if st is not None:
+        torch_attrs += (f',"storage":{{"id":{st.id},"nbytes":{st.nbytes},"offset":{st.offset},'
+                        f'"stride":[{",".join(map(str, st.stride))}]}}')
+    grid = ",".join(map(str, e.zarr_chunk_shape()))
+    return (f'{{"attributes":{{"ckptstore":{{"chunk_rows":{e.chunk_rows},"chunks":[{chunks}],'
+            f'"codec":{codec_json},"dtype":"{e.dtype.name}","key":{_json_str(e.key)},'
+            f'"kind":"{e.kind}"{torch_attrs}}}}},'
+            f'"chunk_grid":{{"configuration":{{"chunk_shape":[{grid}]}},"name":"regular"}},'
+            f'{fixed},"node_type":"array","shape":[{",".join(map(str, e.shape))}],'
+            f'"zarr_format":3}}')
+
+
+def _parse_tensors(docs: list) -> tuple[TensorEntry, ...]:
+    """Every tensor entry, validated; FormatError names the first one wrong."""
+    out = []
+    for i, doc in enumerate(docs):
+        entry = _fast_tensor(doc)
+        out.append(entry if entry is not None else _parse_tensor(doc, i))
+    return tuple(out)
 
 
 def _parse_tensor(doc: Any, index: int) -> TensorEntry:
@@ -407,7 +627,7 @@ def _parse_manifest(data: bytes, expected_name: str | None) -> Manifest:
         raise FormatError(f"manifest created time {created!r:.40} is invalid")
     if not isinstance(d["metadata"], dict):
         raise FormatError("manifest metadata must be an object")
-    tensors = tuple(_parse_tensor(t, i) for i, t in enumerate(_list(d["tensors"], "tensors")))
+    tensors = _parse_tensors(_list(d["tensors"], "tensors"))
     try:
         _check_tree(d["tree"], len(tensors))
     except RecursionError:
@@ -418,3 +638,64 @@ def _parse_manifest(data: bytes, expected_name: str | None) -> Manifest:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed in a manifest")
+
+
+# ------------------------------------------------------------ a writer's own Manifest
+def committed_manifest(manifest: Manifest, data: bytes, expected_name: str) -> Manifest:
+    """What `parse_manifest(data, expected_name)` returns, given `data == manifest.to_bytes()`
+    (the bytes a writer committed for `manifest`): `manifest` itself when
+    `parses_back_equal` proves the parse would equal it, else the parse of `data` (FormatError
+    if `data` is invalid). Saves the re-parse of a manifest just written."""
+    if len(data) <= MAX_MANIFEST_BYTES and parses_back_equal(manifest, expected_name):
+        return manifest
+    return parse_manifest(data, expected_name)
+
+
+def parses_back_equal(m: Manifest, expected_name: str | None = None) -> bool:
+    """True if `parse_manifest(m.to_bytes(), expected_name)` would succeed and return a
+    Manifest equal to `m` with the same types and dict order in every field: `m` passes every
+    check parsing makes and holds only what `json.loads` produces. Assumes `m.to_bytes()`
+    succeeds (no cycles, NaN or unencodable strings) and is at most MAX_MANIFEST_BYTES."""
+    if (type(m.version) is not int or m.version != FORMAT_VERSION
+            or type(m.extra) is not dict or m.extra
+            or type(m.name) is not str or (m.parent is not None and type(m.parent) is not str)
+            or type(m.created) is not float or not 0 <= m.created < 1e11
+            or type(m.metadata) is not dict or type(m.tensors) is not tuple
+            or (expected_name is not None and m.name != expected_name)):
+        return False
+    try:
+        validate_name(m.name)
+        if m.parent is not None:
+            validate_name(m.parent)
+        _check_tree(m.tree, len(m.tensors))
+    except (ValueError, RecursionError):  # FormatError and InvalidNameError are ValueErrors
+        return False
+    if not (_json_native(m.metadata) and _json_native(m.tree)):
+        return False
+    return all(_entry_ok(t) for t in m.tensors)
+
+
+def _json_native(value: Any) -> bool:
+    """True if `value` is made only of what `json.loads` of its canonical JSON returns, equal
+    and in the same order: dict (str keys, sorted), list, str, int, bool, None, finite float.
+    `value` must be acyclic (canonical_json refuses cycles)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is dict:
+            keys = list(v)
+            for k in keys:
+                if type(k) is not str:
+                    return False
+            if len(keys) > 1 and keys != sorted(keys):
+                return False
+            stack.extend(v.values())
+        elif t is list:
+            stack.extend(v)
+        elif t is float:
+            if not math.isfinite(v):
+                return False
+        elif t is not str and t is not int and t is not bool and v is not None:
+            return False
+    return True

@@ -31,7 +31,7 @@ from .errors import (
 )
 from .hashing import HASH_NAME
 from .loading import load_state
-from .manifest import Manifest, canonical_json, gc_paused, parse_manifest
+from .manifest import Manifest, canonical_json, committed_manifest, gc_paused, parse_manifest
 from .names import validate_name
 from .reader import CheckpointReader, LoadOptions
 from .staging import StagingArena
@@ -332,9 +332,10 @@ class CheckpointStore:
         else:
             manifest = writer.write(name, tree, leaves, metadata, parent, manifest_key(name))
         if manifest is not None:
-            # cache what any reader will parse from the store, not the writer's own objects
-            manifest = parse_manifest(writer.committed or manifest.to_bytes(),
-                                      expected_name=name)
+            # cache what any reader will parse from the store: the writer's own objects only
+            # when they provably equal that parse, else the parse of the committed bytes
+            manifest = committed_manifest(manifest, writer.committed or manifest.to_bytes(),
+                                          expected_name=name)
             with self._cache_lock:
                 self._manifests[name] = manifest
         s = writer.stats
