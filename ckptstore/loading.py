@@ -3,6 +3,7 @@ their destinations, read them in parallel, rebuild the tree."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,15 +40,21 @@ def _numpy_into(dest: np.ndarray, entry: TensorEntry) -> tuple[Any, np.ndarray, 
     return dest, tmp.reshape(-1).view(np.uint8), lambda: np.copyto(dest, tmp)
 
 
+@functools.cache
+def _torch_interop() -> Any:
+    """The torch side, imported on first use (importing it imports torch)."""
+    from . import torch_interop
+
+    return torch_interop
+
+
 def local_part(dest: Any, key: str) -> tuple[Any, tuple[int, int] | None, tuple[int, ...]]:
     """(local array, rows it holds or None for all, global shape) of an `into=` destination:
     a Shard, a DTensor (Shard(0) or Replicate), or a plain tensor/array."""
     if isinstance(dest, Shard):
         return dest.data, dest.rows, dest.global_shape
     if not isinstance(dest, np.ndarray):
-        from . import torch_interop
-
-        found = torch_interop.dtensor_local(dest, key)
+        found = _torch_interop().dtensor_local(dest, key)
         if found is not None:
             return found
     return dest, None, tuple(dest.shape)
@@ -68,13 +75,15 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
     """Rebuild the saved state. With `into`, tensors found in it by dotted key are filled in
     place and returned as the same objects; with `keys`, only those subtrees are loaded."""
     keep = key_filter(keys)
-    paths = tree_mod.leaf_paths(manifest.tree)
+    # per tensor only strings and temporaries: thousands of retained tuples would cost more
+    # in the cyclic GC's full collections than building them
+    key_of = tree_mod.leaf_keys(manifest.tree)
     selected = [i for i in range(len(manifest.tensors))
-                if keep is None or keep(tree_mod.key_string(paths.get(i, ())))]
+                if keep is None or keep(key_of.get(i, ""))]
     if keep is not None:
-        _check_keys_exist(manifest, keys or [], paths)
+        _check_keys_exist(manifest, keys or [])
     dests = tree_mod.flatten_arrays(into) if into is not None else {}
-    _check_into(manifest, selected, paths, dests, strict, keep)
+    _check_into(manifest, selected, key_of, dests, strict, keep)
 
     torch_mat = None
     values: dict[int, Any] = {}
@@ -82,17 +91,15 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
     finishers: list[Callable[[], None]] = []
     for i in selected:
         entry = manifest.tensors[i]
-        key = tree_mod.key_string(paths.get(i, ()))
+        key = key_of.get(i, "")
         original = dests.get(key)
         rows = None
         dest = None
         if original is not None:
             dest, rows, _gshape = local_part(original, key)
         if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
-            from . import torch_interop
-
             if torch_mat is None:
-                torch_mat = torch_interop.TorchMaterializer()
+                torch_mat = _torch_interop().TorchMaterializer()
             value, buf, fin = (torch_mat.into(dest, entry) if dest is not None
                                else torch_mat.new(entry))
         elif entry.kind == "bytes":
@@ -114,7 +121,7 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
     return {} if result is tree_mod._DROP else result
 
 
-def _check_keys_exist(manifest: Manifest, keys: Iterable[str], paths: dict) -> None:
+def _check_keys_exist(manifest: Manifest, keys: Iterable[str]) -> None:
     """Every requested key must name something in the checkpoint (a leaf or a subtree)."""
     all_keys = _all_leaf_keys(manifest.tree)
     missing = [k for k in keys if not any(a == k or a.startswith(k + ".") for a in all_keys)]
@@ -131,17 +138,20 @@ def _all_leaf_keys(node: Any, path: tuple = ()) -> list[str]:
     return [tree_mod.key_string(path)]
 
 
-def _check_into(manifest: Manifest, selected: list[int], paths: dict, dests: dict[str, Any],
-                strict: bool, keep: Callable[[str], bool] | None) -> None:
+def _check_into(manifest: Manifest, selected: list[int], key_of: dict[int, str],
+                dests: dict[str, Any], strict: bool, keep: Callable[[str], bool] | None
+                ) -> None:
+    """Check that every destination found for a selected tensor can receive it in place (and,
+    if `strict`, that every destination has a tensor); KeyMismatchError lists the problems."""
     problems = []
     stored_keys = set()
     for i in selected:
-        entry = manifest.tensors[i]
-        key = tree_mod.key_string(paths.get(i, ()))
+        key = key_of.get(i, "")
         stored_keys.add(key)
         original = dests.get(key)
         if original is None:
             continue
+        entry = manifest.tensors[i]
         dest, rows, gshape = local_part(original, key)
         local_shape = entry.shape if rows is None else (rows[1] - rows[0], *entry.shape[1:])
         if gshape != entry.shape:
@@ -151,9 +161,7 @@ def _check_into(manifest: Manifest, selected: list[int], paths: dict, dests: dic
         elif isinstance(dest, np.ndarray):
             why = _check_numpy_dest(dest, entry)
         else:
-            from . import torch_interop
-
-            why = torch_interop.check_destination(dest, entry)
+            why = _torch_interop().check_destination(dest, entry)
         if why:
             problems.append(f"{key}: {why}")
     if strict:

@@ -17,6 +17,20 @@ from .tree import ArrayLeaf
 _BITS_VIEW = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 
 
+def _dtype_table() -> dict[torch.dtype, tuple[dtypes.DType, torch.dtype | None]]:
+    """torch dtype -> (its DType, the unsigned type its bits are viewed as when numpy lacks it,
+    else None), for every storable dtype this torch build has."""
+    table = {}
+    for name, dt in dtypes.DTYPES.items():
+        tdt = getattr(torch, name, None)
+        if isinstance(tdt, torch.dtype):
+            table[tdt] = (dt, None if dt.numpy_native else _BITS_VIEW[tdt.itemsize])
+    return table
+
+
+_DTYPES = _dtype_table()
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
@@ -25,56 +39,69 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def dtype_name(dt: torch.dtype) -> str | None:
-    name = str(dt).removeprefix("torch.")
-    return name if name in dtypes.DTYPES else None
+    """ckptstore's name of a torch dtype, or None if it cannot be stored."""
+    info = _DTYPES.get(dt)
+    return None if info is None else info[0].name
 
 
 def raw_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy view (no copy) of a CPU tensor's element bits, same shape and strides."""
-    name = dtype_name(t.dtype)
-    assert name is not None
-    if not dtypes.DTYPES[name].numpy_native:
-        t = t.view(_BITS_VIEW[t.element_size()])
+    info = _DTYPES.get(t.dtype)
+    assert info is not None
+    if info[1] is not None:
+        t = t.view(info[1])
     return t.numpy()
 
 
 def tensor_leaf(t: Any, key: str) -> ArrayLeaf:
     """Describe a tensor for saving. The leaf views the tensor's memory when it is on the CPU;
     other devices are copied to the CPU here."""
-    if not isinstance(t, torch.Tensor):
-        kind = f"{type(t).__module__}.{type(t).__qualname__}"
+    cls = type(t)
+    if cls is not torch.Tensor and not isinstance(t, torch.Tensor):
+        kind = f"{cls.__module__}.{cls.__qualname__}"
         raise UnsupportedTypeError(f"{key}: cannot store {kind}")
     if t.layout != torch.strided or t.is_quantized or t.is_meta:
         raise UnsupportedTypeError(f"{key}: only dense strided tensors can be stored "
                                    f"(got layout {t.layout}, quantized={t.is_quantized})")
-    name = dtype_name(t.dtype)
-    if name is None:
+    info = _DTYPES.get(t.dtype)
+    if info is None:
         raise UnsupportedTypeError(f"{key}: tensors of dtype {t.dtype} cannot be stored")
-    parameter = isinstance(t, torch.nn.Parameter)
     requires_grad = bool(t.requires_grad)
-    local = dtensor_local(t, key)
-    if local is not None:
-        tensor, rows, global_shape = local
-        leaf = tensor_leaf(tensor, key)
-        leaf.requires_grad, leaf.parameter = requires_grad, parameter
-        if rows is not None:
-            leaf.global_shape, leaf.row_offset = global_shape, rows[0]
-            leaf.storage_identity = None
-        return leaf
-    base = t.detach()
+    if cls is torch.Tensor:  # the common case: no Parameter, no DTensor, nothing to detach
+        parameter = False
+        base = t.detach() if requires_grad else t
+    else:
+        parameter = isinstance(t, torch.nn.Parameter)
+        local = dtensor_local(t, key)
+        if local is not None:
+            return _dtensor_leaf(local, key, requires_grad, parameter)
+        base = t.detach()
     if base.is_conj():
         base = base.resolve_conj()
     if base.is_neg():
         base = base.resolve_neg()
-    if base.device.type != "cpu":
+    if not base.is_cpu:
         base = base.cpu()
+    array = raw_numpy(base)
     storage = base.untyped_storage()
     return ArrayLeaf(
-        key=key, kind="torch", dtype=dtypes.DTYPES[name], array=raw_numpy(base),
+        key=key, kind="torch", dtype=info[0], array=array,
         requires_grad=requires_grad, parameter=parameter,
-        storage_identity=(storage.data_ptr(), storage.nbytes()) if base.numel() else None,
+        storage_identity=(storage.data_ptr(), storage.nbytes()) if array.size else None,
         storage_offset=base.storage_offset(), storage_stride=tuple(base.stride()),
     )
+
+
+def _dtensor_leaf(local: tuple[torch.Tensor, tuple[int, int] | None, tuple[int, ...]],
+                  key: str, requires_grad: bool, parameter: bool) -> ArrayLeaf:
+    """The leaf of a DTensor's local part: its rows of the global tensor when sharded."""
+    tensor, rows, global_shape = local
+    leaf = tensor_leaf(tensor, key)
+    leaf.requires_grad, leaf.parameter = requires_grad, parameter
+    if rows is not None:
+        leaf.global_shape, leaf.row_offset = global_shape, rows[0]
+        leaf.storage_identity = None
+    return leaf
 
 
 def dtensor_local(t: Any, key: str
