@@ -555,27 +555,23 @@ def test_replaced_object_is_never_read_as_a_mix(faulty_store: S3Store, faults: F
     # the first GET is cut; replace the object before the store resumes
     original = faulty_store.client.get_object
 
-    def get_object(**kwargs: Any) -> Any:
-        if "IfMatch" in kwargs:
-            with S3Store.from_uri(faulty_store.uri, endpoint_url=moto_endpoint) as other:
-                other.put("t/obj", new)
-        return original(**kwargs)
+    def replace_before_resume(value: bytes) -> None:
+        def get_object(**kwargs: Any) -> Any:
+            if "IfMatch" in kwargs:
+                with S3Store.from_uri(faulty_store.uri, endpoint_url=moto_endpoint) as other:
+                    other.put("t/obj", value)
+            return original(**kwargs)
 
-    faulty_store._client.get_object = get_object  # type: ignore[method-assign]
+        faulty_store._client.get_object = get_object  # type: ignore[method-assign]
+
+    replace_before_resume(new)
     faulty_store.read_into("t/obj", 0, memoryview(out))
     assert bytes(out) == new  # started over on the new version, no mix of old and new
     # the digest computed while reading starts over with the bytes
     replace_then_cut.done = False  # type: ignore[attr-defined]
     faults.rules.append(Rule(replace_then_cut, "truncate"))
     out[:] = bytes(len(out))
-
-    def get_object_old(**kwargs: Any) -> Any:
-        if "IfMatch" in kwargs:
-            with S3Store.from_uri(faulty_store.uri, endpoint_url=moto_endpoint) as other:
-                other.put("t/obj", old)
-        return original(**kwargs)
-
-    faulty_store._client.get_object = get_object_old  # type: ignore[method-assign]
+    replace_before_resume(old)
     assert faulty_store.read_into_digest("t/obj", 0, memoryview(out)) == digest(old)
     assert bytes(out) == old
 

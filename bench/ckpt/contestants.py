@@ -194,16 +194,19 @@ def limits(ctx: Ctx) -> dict[str, Any]:
     }
 
     # -- raw read into the preallocated destination
-    def read_files(threads: int) -> None:
+    def read_into(views: dict[str, Any], threads: int) -> None:
         def one(i: int) -> None:
             fd = os.open(folder / f"{i:06d}", os.O_RDONLY)
             try:
-                read_all(fd, [memoryview(views_dst[k][lo:hi]) for k, lo, hi in plan[i]])
+                read_all(fd, [memoryview(views[k][lo:hi]) for k, lo, hi in plan[i]])
             finally:
                 os.close(fd)
 
         with cf.ThreadPoolExecutor(threads) as pool:
             list(pool.map(one, range(len(plan))))
+
+    def read_files(threads: int) -> None:
+        read_into(views_dst, threads)
 
     for mode in ("cold", "warm"):
         reads: dict[str, Any] = {}
@@ -221,17 +224,7 @@ def limits(ctx: Ctx) -> dict[str, Any]:
     # (first-touch page faults of new memory are part of it), at the best preallocated count
     def read_files_new(threads: int) -> dict[str, Any]:
         fresh = {k: torch.empty_like(t) for k, t in state.items()}
-        views = {k: byte_view(t) for k, t in fresh.items()}
-
-        def one(i: int) -> None:
-            fd = os.open(folder / f"{i:06d}", os.O_RDONLY)
-            try:
-                read_all(fd, [memoryview(views[k][lo:hi]) for k, lo, hi in plan[i]])
-            finally:
-                os.close(fd)
-
-        with cf.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, range(len(plan))))
+        read_into({k: byte_view(t) for k, t in fresh.items()}, threads)
         return fresh
 
     def check_new(fresh: dict[str, Any]) -> None:
