@@ -378,7 +378,7 @@ class CheckpointStore:
         with self._save_lock:
             self._wait_pending()
             # the lease spans reading the parent (whose chunks are reused) to the commit
-            with leases.save_lease(self.store) as lease:
+            with leases.save_lease(self.store) as lease, gc_paused():
                 tree, leaves, metadata, parent = self._prepare_or_report(name, state, metadata,
                                                                          parent, hooks)
                 return self._write(name, tree, leaves, metadata, parent,
@@ -396,9 +396,10 @@ class CheckpointStore:
             self._wait_pending()
             lease = leases.acquire_save(self.store)  # released when the background write ends
             try:
-                tree, leaves, metadata, parent = self._prepare_or_report(name, state, metadata,
-                                                                         parent, hooks)
-                staged = self._arena.stage(leaves)
+                with gc_paused():
+                    tree, leaves, metadata, parent = self._prepare_or_report(
+                        name, state, metadata, parent, hooks)
+                    staged = self._arena.stage(leaves)
             except BaseException:
                 lease.release()
                 raise
@@ -407,8 +408,9 @@ class CheckpointStore:
 
             def write() -> SaveInfo:
                 try:
-                    return self._write(name, tree, staged, metadata, parent, options, t0,
-                                       blocked, hooks, lease)
+                    with gc_paused():
+                        return self._write(name, tree, staged, metadata, parent, options, t0,
+                                           blocked, hooks, lease)
                 finally:
                     lease.release()
 
@@ -432,7 +434,8 @@ class CheckpointStore:
         tensor and blob); on an error, `into` tensors may be partly overwritten."""
         manifest = self.manifest(name)
         reader = CheckpointReader(self.store, self.load_options)
-        return load_state(reader, manifest, into=into, keys=keys, strict=strict)
+        with gc_paused():
+            return load_state(reader, manifest, into=into, keys=keys, strict=strict)
 
     # ------------------------------------------------------------------ maintenance
     def verify(self, name: str = LATEST, *, sample: float = 1.0) -> maintenance.VerifyReport:
