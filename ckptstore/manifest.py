@@ -216,9 +216,18 @@ class Manifest:
             "created": self.created, "format": FORMAT_NAME, "hash": HASH_NAME,
             "metadata": self.metadata, "name": self.name, "parent": self.parent})
         tail = _canonical_str({"tree": self.tree, "version": self.version})
-        tensors = ",".join(_entry_json(t) if _entry_ok(t) else _canonical_str(t.to_json())
-                           for t in self.tensors)
+        tensors = ",".join(_entry_json(t) if ok else _canonical_str(t.to_json())
+                           for t, ok in zip(self.tensors, self.entries_ok()))
         return f'{head[:-1]},"tensors":[{tensors}],{tail[1:]}'.encode()
+
+    def entries_ok(self) -> list[bool]:
+        """`_entry_ok` of every tensor entry, computed once per Manifest (serializing and
+        `parses_back_equal` both need it; entries are frozen)."""
+        ok = self.__dict__.get("_entries_ok")
+        if ok is None:
+            ok = [_entry_ok(t) for t in self.tensors]
+            object.__setattr__(self, "_entries_ok", ok)
+        return ok
 
 
 # ---------------------------------------------------------------- parsing untrusted bytes
@@ -687,7 +696,7 @@ def parses_back_equal(m: Manifest, expected_name: str | None = None) -> bool:
         return False
     if not (_json_native(m.metadata) and _json_native(m.tree)):
         return False
-    return all(_entry_ok(t) for t in m.tensors)
+    return all(m.entries_ok())
 
 
 def _json_native(value: Any) -> bool:
