@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -21,11 +22,13 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{path}.{i}")
     elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}")
         assert a.requires_grad == b.requires_grad, f"{path}: requires_grad differs"
         x, y = a.detach().contiguous(), b.detach().contiguous()
         if x.numel():
-            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), path
+            same = torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+            assert same, path
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape}"
         assert a.tobytes() == b.tobytes(), path
@@ -35,3 +38,14 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert a.hex() == b.hex(), path
     else:
         assert a == b, path
+
+
+def json_paths(doc: Any, prefix: tuple = ()) -> Iterator[tuple]:
+    """Every path (tuple of keys and indexes) in a JSON document, the root () first."""
+    yield prefix
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from json_paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from json_paths(v, (*prefix, i))

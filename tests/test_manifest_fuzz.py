@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ckptstore import CheckpointStore, FormatError
 from ckptstore.manifest import parse_manifest
 
-from .helpers import assert_same
+from .helpers import assert_same, json_paths
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -52,17 +52,7 @@ def test_random_json_never_crashes(doc):
         pass
 
 
-def _paths(doc, prefix=()):
-    yield prefix
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            yield from _paths(v, (*prefix, i))
-
-
-ALL_PATHS = [p for p in _paths(json.loads(VALID)) if p]
+ALL_PATHS = [p for p in json_paths(json.loads(VALID)) if p]
 
 
 @settings(max_examples=400, deadline=None)

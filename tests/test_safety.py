@@ -269,7 +269,8 @@ def test_no_pickle_anywhere():
     import pathlib
 
     root = pathlib.Path(__file__).parent.parent
-    for path in list((root / "ckptstore").rglob("*.py")) + list((root / "dataloader").rglob("*.py")):
+    sources = [*(root / "ckptstore").rglob("*.py"), *(root / "dataloader").rglob("*.py")]
+    for path in sources:
         text = path.read_text()
         assert "import pickle" not in text and "cPickle" not in text, path
         assert "torch.load(" not in text or "weights_only=True" in text, path

@@ -28,7 +28,7 @@ from ckptstore.staging import StagingArena
 from ckptstore.tree import TreeEncoder, key_string, leaf_keys, leaf_paths
 from ckptstore.writer import KnownChunks
 
-from .helpers import assert_same
+from .helpers import assert_same, json_paths
 
 TORCH_DTYPES = [getattr(torch, name) for name in M.DTYPES if hasattr(torch, name)]
 
@@ -232,17 +232,7 @@ json_values = st.recursive(
 )
 
 
-def _paths(doc, prefix=()):
-    yield prefix
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            yield from _paths(v, (*prefix, i))
-
-
-DOC_PATHS = [(i, p) for i, d in enumerate(VALID_DOCS) for p in _paths(d) if p]
+DOC_PATHS = [(i, p) for i, d in enumerate(VALID_DOCS) for p in json_paths(d) if p]
 
 
 def _same_verdict(doc) -> None:

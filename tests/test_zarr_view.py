@@ -65,5 +65,5 @@ def test_zarr_view_is_read_only(tmp_path):
     repo.save("z", {"t": torch.zeros(3)})
     store = ckptstore.zarr_store(repo, "z")
     group = zarr.open_group(store=store, mode="r")
-    with pytest.raises(Exception):
+    with pytest.raises(PermissionError):
         group["t"][0] = 1.0
