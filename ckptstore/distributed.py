@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .canonical import canonical_json
 from .errors import CkptStoreError
-from .manifest import ChunkRef, Manifest, canonical_json
+from .manifest import ChunkRef, Manifest
 from .tree import ArrayLeaf
 from .writer import (
     CheckpointWriter,

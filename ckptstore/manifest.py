@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from .canonical import SEAL_FIELD, canonical_str, check_seal, is_sealed, seal
 from .codecs import Codec, parse_codec
 from .dtypes import DTYPES, DType, by_name
 from .errors import FormatError
@@ -27,7 +28,9 @@ from .names import validate_name
 
 _json_str = json.encoder.encode_basestring  # json.dumps' string writer (ensure_ascii=False)
 FORMAT_NAME = "ckptstore.manifest"
-FORMAT_VERSION = 1
+#: Version 2 = version 1 + a self-digest (canonical.seal) as the last field.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_TREE_DEPTH = 256
 MAX_DIMS = 64
@@ -62,17 +65,6 @@ def gc_paused() -> Iterator[None]:
             _gc_depth -= 1
             if _gc_depth == 0 and _gc_was_enabled:
                 gc.enable()
-
-
-def canonical_json(doc: Any) -> bytes:
-    """Sorted keys, no spaces, UTF-8, no NaN: equal documents give equal bytes."""
-    return _canonical_str(doc).encode("utf-8")
-
-
-def _canonical_str(doc: Any) -> str:
-    """`canonical_json` before UTF-8 encoding."""
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False)
 
 
 @dataclass(frozen=True)
@@ -211,14 +203,16 @@ class Manifest:
 
     def _to_bytes(self) -> bytes:
         """canonical_json of the whole document, assembled from three parts (the keys sort as
-        head < "tensors" < tail) so that each tensor entry can be written by `_entry_json`."""
-        head = _canonical_str({
+        head < "tensors" < tail) so that each tensor entry can be written by `_entry_json`,
+        then sealed (version 2; a version-1 manifest is written unsealed, as it was)."""
+        head = canonical_str({
             "created": self.created, "format": FORMAT_NAME, "hash": HASH_NAME,
             "metadata": self.metadata, "name": self.name, "parent": self.parent})
-        tail = _canonical_str({"tree": self.tree, "version": self.version})
-        tensors = ",".join(_entry_json(t) if ok else _canonical_str(t.to_json())
+        tail = canonical_str({"tree": self.tree, "version": self.version})
+        tensors = ",".join(_entry_json(t) if ok else canonical_str(t.to_json())
                            for t, ok in zip(self.tensors, self.entries_ok()))
-        return f'{head[:-1]},"tensors":[{tensors}],{tail[1:]}'.encode()
+        body = f'{head[:-1]},"tensors":[{tensors}],{tail[1:]}'.encode()
+        return seal(body) if self.version >= 2 else body
 
     def entries_ok(self) -> list[bool]:
         """`_entry_ok` of every tensor entry, computed once per Manifest (serializing and
@@ -445,14 +439,14 @@ def _fixed_json(dtype: DType, codec: Codec | None) -> tuple[str, str]:
     if fixed is None:
         doc = dict(zip(_ZARR_FIXED, _zarr_fixed(dtype, codec)))
         later = {k: doc[k] for k in ("chunk_key_encoding", "codecs", "data_type", "fill_value")}
-        fixed = (_canonical_str(None if codec is None else codec.to_json()),
-                 _canonical_str(later)[1:-1])
+        fixed = (canonical_str(None if codec is None else codec.to_json()),
+                 canonical_str(later)[1:-1])
         _fixed_json_cache[key] = fixed
     return fixed
 
 
 def _entry_json(e: TensorEntry) -> str:
-    """`_canonical_str(e.to_json())`, written directly (a third of the time of `json.dumps`).
+    """`canonical_str(e.to_json())`, written directly (a third of the time of `json.dumps`).
     Only for an entry passing `_entry_ok`: its digests are hex and its numbers exact ints, so
     they need no escaping; tests/test_small_tensors_fast.py checks the equality."""
     codec_json, fixed = _fixed_json(e.dtype, e.codec)
@@ -626,17 +620,24 @@ def parse_manifest(data: bytes, expected_name: str | None = None) -> Manifest:
 def _parse_manifest(data: bytes, expected_name: str | None) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes")
+    sealed = is_sealed(data)
+    if sealed:  # checked on the raw bytes, before anything is parsed
+        check_seal(data, "manifest")
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"manifest is not valid JSON: {exc}") from None
     d = _dict(doc, "manifest", {"format", "version", "hash", "name", "created", "parent",
-                                "metadata", "tree", "tensors"})
+                                "metadata", "tree", "tensors"}, {SEAL_FIELD})
     if d["format"] != FORMAT_NAME:
         raise FormatError(f"not a ckptstore manifest (format {d['format']!r:.40})")
-    if d["version"] != FORMAT_VERSION:
-        raise FormatError(f"unsupported manifest version {d['version']!r:.40}; this ckptstore "
-                          f"reads version {FORMAT_VERSION}")
+    version = d["version"]
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise FormatError(f"unsupported manifest version {version!r:.40}; this ckptstore "
+                          f"reads versions {list(READABLE_VERSIONS)}")
+    if (version >= 2) != sealed or (version < 2 and SEAL_FIELD in d):
+        raise FormatError(f"manifest version {version} must {'' if version >= 2 else 'not '}"
+                          f"carry a {SEAL_FIELD}")
     if d["hash"] != HASH_NAME:
         raise FormatError(f"unsupported hash {d['hash']!r:.40}")
     try:
@@ -657,7 +658,7 @@ def _parse_manifest(data: bytes, expected_name: str | None) -> Manifest:
     except RecursionError:
         raise FormatError("state tree nested too deeply") from None
     return Manifest(name=name, created=float(created), metadata=d["metadata"], tree=d["tree"],
-                    tensors=tensors, parent=parent)
+                    tensors=tensors, parent=parent, version=version)
 
 
 def _reject_constant(name: str) -> Any:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import leases, maintenance
+from .canonical import canonical_json
 from .codecs import Codec, codec_option
 from .errors import (
     CheckpointExistsError,
@@ -31,7 +32,7 @@ from .errors import (
 )
 from .hashing import HASH_NAME
 from .loading import load_state
-from .manifest import Manifest, canonical_json, committed_manifest, gc_paused, parse_manifest
+from .manifest import Manifest, committed_manifest, gc_paused, parse_manifest
 from .names import validate_name
 from .reader import CheckpointReader, LoadOptions
 from .staging import StagingArena

@@ -23,6 +23,8 @@ from ckptstore import (
 from ckptstore.hashing import blob_key
 from ckptstore.stores import LocalStore, MemoryStore
 
+from .helpers import sealed_manifest
+
 
 @pytest.fixture
 def repo(tmp_path):
@@ -155,7 +157,7 @@ def test_hostile_or_broken_manifest_gives_format_error(repo, tmp_path, mutate):
     path = tmp_path / "repo" / "checkpoints" / "a.json"
     doc = json.loads(path.read_bytes())
     mutate(doc)
-    path.write_text(json.dumps(doc))
+    path.write_bytes(sealed_manifest(doc))  # sealed: the structural checks must catch it
     fresh = CheckpointStore(tmp_path / "repo")
     with pytest.raises(FormatError):
         fresh.load("a")
