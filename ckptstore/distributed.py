@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -244,7 +243,7 @@ def save_collective(writer: CheckpointWriter, name: str, tree: Any, leaves: list
                 specs = [TensorSpec.of(leaf, shapes[i]) for i, leaf in enumerate(leaves)]
                 entries = build_entries(specs, _global_plans(plans), all_refs,
                                         writer.options.compression, _replicated_storage(leaves))
-                manifest = Manifest(name=name, created=time.time(), metadata=metadata,
+                manifest = Manifest(name=name, created=writer.creation_time(), metadata=metadata,
                                     tree=tree, tensors=entries, parent=parent)
                 writer.commit(manifest, manifest_key)
             except Exception as exc:

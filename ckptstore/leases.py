@@ -7,9 +7,13 @@ a blob that gc has already chosen to delete. Leases close that gap (restic's loc
 * A lease is an object ``locks/<kind>-<32 hex>.json`` in the store, kind ``save`` or ``gc``,
   holding ``{"kind", "host", "pid", "pidns", "created"}`` (no secrets). Its holder re-writes
   it every `refresh` seconds. A lease is stale, and ignored, when its object was last written
-  more than `stale_after` seconds ago (store mtime against the observer's clock), or at once
-  when it was written on this machine, in this PID namespace (same boot id and namespace),
-  by a process that no longer exists (a save killed with SIGKILL does not block gc).
+  more than `stale_after` + SKEW_MARGIN seconds ago, or at once when it was written on this
+  machine, in this PID namespace (same boot id and namespace), by a process that no longer
+  exists (a save killed with SIGKILL does not block gc).
+* Ages are read on the store's clock, never the observer's: "now" is the modification time of
+  an object the observer has just written (its own lease, or a probe). Hosts whose clocks
+  disagree by minutes therefore judge every lease alike (SKEW_MARGIN covers the store's own
+  granularity: S3 keeps whole seconds).
 * A save (anything that writes blobs and then commits a manifest) writes its lease, then
   lists the leases; while a live gc lease exists it waits, keeping its own lease.
 * gc writes its lease, then lists; if a live save lease exists it removes its own lease and
@@ -18,11 +22,16 @@ a blob that gc has already chosen to delete. Leases close that gap (restic's loc
   read-after-write consistent (POSIX folders, S3 since 2020, MinIO), so of two racing parties
   at least one sees the other: gc never deletes while a lease-holding save is between its
   first blob write and its commit.
+* Belt and braces for the case where that reasoning fails (a lease misjudged, a party that
+  takes none): a gc that holds its lease writes the sweep marker ``locks/sweep.json``
+  (``{"gc": <lease key>, "state": "deleting"}``, then ``"done"`` when it releases). A save
+  reads the marker when it takes its lease and again just before its commit
+  (`Lease.sweep_may_have_run`); if it changed, or says "deleting", the save confirms that the
+  blobs it reuses from earlier checkpoints still exist before it commits.
 
 Contract for holders: call `Lease.check()` right before an irreversible step (a commit, a
 deletion batch); it raises if the lease could not be refreshed for so long that others may
-consider it stale. Writers that take no lease (for example `CheckpointStore.save` in this
-version) are protected only by the grace period.
+consider it stale.
 """
 
 from __future__ import annotations
@@ -41,9 +50,13 @@ from .errors import CkptStoreError, ObjectNotFoundError, StoreError
 from .stores.base import ObjectInfo, Store
 
 LOCK_PREFIX = "locks/"
+SWEEP_KEY = f"{LOCK_PREFIX}sweep.json"
 KINDS = ("save", "gc")
 STALE_AFTER = 300.0
 REFRESH = 30.0
+#: Added to `stale_after` before a lease counts as stale: the store clock's granularity and
+#: the time between writing one's own lease and listing the others.
+SKEW_MARGIN = 30.0
 
 
 class LeaseBusyError(CkptStoreError):
@@ -94,17 +107,42 @@ def _parse_key(key: str) -> str | None:
     return kind
 
 
+def store_clock(store: Store) -> float:
+    """The store's current time: the modification time of a probe object written and removed
+    here. Falls back to this host's clock where nothing can be written (a read-only store:
+    then nothing is deleted on its judgement either)."""
+    key = f"{LOCK_PREFIX}clock-{uuid.uuid4().hex}.json"
+    try:
+        store.put(key, b"{}")
+    except CkptStoreError:
+        return time.time()
+    try:
+        return store.stat(key).mtime
+    finally:
+        try:
+            store.delete(key)
+        except CkptStoreError:
+            pass  # a stray probe is ignored by every reader
+
+
 def list_leases(store: Store, stale_after: float = STALE_AFTER,
-                include_stale: bool = False) -> list[LeaseInfo]:
-    """Leases in `store` (live ones only unless `include_stale`), oldest first."""
-    now = time.time()
+                include_stale: bool = False, now: float | None = None) -> list[LeaseInfo]:
+    """Leases in `store` (live ones only unless `include_stale`), oldest first. `now` is the
+    store's clock (see `store_clock`, taken here when None)."""
+    if now is None:
+        now = store_clock(store)
+    return _judge(store, list(store.list(LOCK_PREFIX)), now, stale_after, include_stale)
+
+
+def _judge(store: Store, listing: list[ObjectInfo], now: float, stale_after: float,
+           include_stale: bool) -> list[LeaseInfo]:
     out = []
-    for info in store.list(LOCK_PREFIX):
+    for info in listing:
         kind = _parse_key(info.key)
         if kind is None:
             continue
         age = now - info.mtime
-        if age > stale_after and not include_stale:
+        if age > stale_after + SKEW_MARGIN and not include_stale:
             continue
         holder, dead = _holder(store, info)
         if dead and not include_stale:
@@ -153,13 +191,20 @@ class Lease:
         self._thread: threading.Thread | None = None
         self._last_ok = 0.0
         self._lock = threading.Lock()
+        self._sweeping = False  # a gc lease that has announced deletions (SWEEP_KEY)
+        self._sweep_seen: bytes | None = None  # a save lease: SWEEP_KEY when it was taken
 
     def write(self) -> None:
         """Write (or re-write) the lease object; records when that last succeeded."""
-        t = time.time()
+        t = time.monotonic()
         self.store.put(self.key, self._body)
         with self._lock:
             self._last_ok = t
+
+    def store_clock(self) -> float:
+        """The store's time when this lease was last written (its object's mtime): a lower
+        bound of the store's "now", so ages judged by it err on the young, safe side."""
+        return self.store.stat(self.key).mtime
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.refresh):
@@ -177,23 +222,64 @@ class Lease:
     def check(self) -> None:
         """Raise StoreError if the lease may look stale to others (refresh kept failing)."""
         with self._lock:
-            age = time.time() - self._last_ok
+            age = time.monotonic() - self._last_ok
         if age > self.stale_after / 2:
             raise StoreError(f"{self.kind} lease in {self.store.uri} could not be refreshed for "
                              f"{age:.0f}s; stopping before an unsafe step")
 
     def others(self) -> list[LeaseInfo]:
-        return [lease for lease in list_leases(self.store, self.stale_after)
+        """The live leases of others, judged on the store's clock (this lease's own mtime in
+        the same listing)."""
+        listing = list(self.store.list(LOCK_PREFIX))
+        own = [info.mtime for info in listing if info.key == self.key]
+        now = own[0] if own else self.store_clock()
+        return [lease for lease in _judge(self.store, listing, now, self.stale_after, False)
                 if lease.key != self.key]
+
+    # -------------------------------------------------------------- the sweep marker
+    def announce_sweep(self) -> None:
+        """gc leases: say that deletions may start now (see the module docstring)."""
+        self._sweeping = True
+        self.store.put(SWEEP_KEY, self._sweep_doc("deleting"))
+
+    def remember_sweep(self) -> None:
+        """Save leases: note the sweep marker as it is when the save starts."""
+        self._sweep_seen = _read_sweep(self.store)
+
+    def sweep_may_have_run(self) -> bool:
+        """Save leases: True if a gc may have deleted blobs since `remember_sweep` (the marker
+        changed, says "deleting" now or then, or cannot be read)."""
+        try:
+            now = _read_sweep(self.store)
+        except CkptStoreError:
+            return True
+        return now != self._sweep_seen or any(
+            m is not None and b'"state":"done"' not in m for m in (now, self._sweep_seen))
+
+    def _sweep_doc(self, state: str) -> bytes:
+        return json.dumps({"gc": self.key, "state": state}, sort_keys=True,
+                          separators=(",", ":")).encode()
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        if self._sweeping:
+            try:
+                self.store.put(SWEEP_KEY, self._sweep_doc("done"))
+            except CkptStoreError:
+                pass  # "deleting" stays: saves then check the blobs they reuse
         try:
             self.store.delete(self.key)
         except CkptStoreError:
             pass  # it goes stale on its own
+
+
+def _read_sweep(store: Store) -> bytes | None:
+    try:
+        return store.get(SWEEP_KEY)
+    except ObjectNotFoundError:
+        return None
 
 
 def acquire_save(store: Store, *, wait: float | None = None, poll: float = 0.5,
@@ -208,6 +294,7 @@ def acquire_save(store: Store, *, wait: float | None = None, poll: float = 0.5,
         while True:
             gcs = [o for o in lease.others() if o.kind == "gc"]
             if not gcs:
+                lease.remember_sweep()
                 return lease
             if deadline is not None and time.monotonic() >= deadline:
                 raise LeaseBusyError(f"a gc is running in {store.uri}: {describe(gcs)}")
@@ -232,6 +319,11 @@ def acquire_gc(store: Store, *, wait: float = 0.0, poll: float = 1.0,
             raise
         if not saves:
             lease.start_heartbeat()
+            try:
+                lease.announce_sweep()
+            except BaseException:
+                lease.release()
+                raise
             return lease
         lease.release()  # back off: saves have priority, so they never wait on a waiting gc
         if time.monotonic() >= deadline:
@@ -263,7 +355,7 @@ def remove_stale(store: Store, stale_after: float = STALE_AFTER) -> int:
     """Delete stale lease objects (left by dead processes)."""
     n = 0
     for lease in list_leases(store, stale_after, include_stale=True):
-        if lease.age > stale_after or lease.dead:
+        if lease.age > stale_after + SKEW_MARGIN or lease.dead:
             try:
                 store.delete(lease.key)
                 n += 1

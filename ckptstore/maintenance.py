@@ -1,10 +1,12 @@
 """Verification and garbage collection over a repository's store.
 
 GC safety (docs/format.md): a blob is deleted only if no manifest references it and it is older
-than the grace period; manifests are listed before the blobs and again just before deleting,
-so a checkpoint committed meanwhile keeps its blobs, and a save in flight writes its new blobs
-with fresh modification times that the grace period protects. A manifest that cannot be parsed
-stops gc: nothing is deleted when what it references is unknown.
+than the grace period, and never younger than MIN_BLOB_AGE whatever the grace period says;
+ages are read on the store's clock (object modification times against an object gc has just
+written), never on the gc host's clock. Manifests are listed before the blobs and again just
+before deleting, so a checkpoint committed meanwhile keeps its blobs, and a save in flight
+writes its new blobs with fresh modification times that the grace period protects. A manifest
+that cannot be parsed stops gc: nothing is deleted when what it references is unknown.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from . import leases
 from .errors import CkptStoreError, IntegrityError, ObjectNotFoundError, StoreError
 from .hashing import blob_key, digest, is_digest
 from .manifest import ChunkRef, Manifest, TensorEntry
@@ -28,6 +31,9 @@ BLOB_PREFIX = "blobs/"
 #: whatever the grace period: a live writer's temp file exists for seconds, and deleting it
 #: would fail that write (a lease refresh, a blob put).
 TEMP_MIN_AGE = 600.0
+#: No blob younger than this (store clock) is deleted, whatever the grace period: a save whose
+#: lease someone may judge stale has been silent for at most this long.
+MIN_BLOB_AGE = leases.STALE_AFTER + leases.SKEW_MARGIN
 
 
 @dataclass(frozen=True)
@@ -131,10 +137,11 @@ class GcReport:
     referenced_blobs: int = 0
     deleted_blobs: int = 0
     freed_bytes: int = 0
-    kept_young_blobs: int = 0  # unreferenced but inside the grace period
+    kept_young_blobs: int = 0  # unreferenced but younger than `min_age_seconds`
     deleted_temp_files: int = 0
     seconds: float = 0.0
     deleted: list[str] = field(default_factory=list)
+    min_age_seconds: float = 0.0  # the age a blob needed: max(grace period, MIN_BLOB_AGE)
 
 
 def referenced_blobs(repo: CheckpointStore) -> set[str]:
@@ -153,14 +160,17 @@ def referenced_blobs(repo: CheckpointStore) -> set[str]:
 
 def gc(repo: CheckpointStore, grace_seconds: float = 3600.0, dry_run: bool = False,
        now: float | None = None) -> GcReport:
-    """Delete unreferenced blobs older than `grace_seconds` (see the module docstring)."""
+    """Delete unreferenced blobs older than max(`grace_seconds`, MIN_BLOB_AGE) (see the module
+    docstring). `now` is the store's current time (default: read from the store)."""
     if grace_seconds < 0:
         raise ValueError("grace period must be >= 0")
     t0 = time.perf_counter()
-    report = GcReport(dry_run=dry_run)
+    if now is None:
+        now = leases.store_clock(repo.store)
+    report = GcReport(dry_run=dry_run, min_age_seconds=max(grace_seconds, MIN_BLOB_AGE))
     refs = referenced_blobs(repo)
     listed = list(repo.store.list(BLOB_PREFIX))
-    cutoff = (time.time() if now is None else now) - grace_seconds
+    cutoff = now - report.min_age_seconds
     candidates = []
     for info in listed:
         name = info.key.rsplit("/", 1)[-1]
@@ -184,7 +194,7 @@ def gc(repo: CheckpointStore, grace_seconds: float = 3600.0, dry_run: bool = Fal
         report.freed_bytes += info.size
         report.deleted.append(name)
     temp_files = getattr(repo.store, "temp_files", None)
-    temp_cutoff = min(cutoff, (time.time() if now is None else now) - TEMP_MIN_AGE)
+    temp_cutoff = min(cutoff, now - TEMP_MIN_AGE)
     if temp_files is not None:
         for info in list(temp_files()):
             if info.mtime <= temp_cutoff:

@@ -6,7 +6,9 @@
 
 Values may be Stateful (`state_dict()` / `load_state_dict()`: modules, optimizers, schedulers,
 GradScaler, the dataloader) or plain nested state (dicts of tensors etc., restored in place).
-Checkpoints are named `step-<N>`; the latest is the one with the largest N. Under
+Checkpoints are named `step-<N>`. The latest is the newest whole one in commit order, not the
+one with the largest N: a run that went back to step 50 and saved step 51 resumes from 51,
+not from the abandoned step 100 (see Retention for what is kept). Under
 torch.distributed (initialized, world size > 1) `save` and `restore` are collective: every
 rank calls them with its own state (see ckptstore.distributed).
 
@@ -18,6 +20,7 @@ age-based gc; the next save cannot start before it ends).
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +28,7 @@ import torch
 
 from . import distributed as cdist
 from . import leases
-from .errors import CkptStoreError, KeyMismatchError
+from .errors import CkptStoreError, FormatError, IntegrityError, KeyMismatchError
 from .hashing import blob_key
 from .maintenance import referenced_blobs
 from .repository import CheckpointStore, SaveHandle, SaveHooks
@@ -63,17 +66,22 @@ class CheckpointManager:
         return f"step-{step}"
 
     def steps(self) -> list[int]:
-        """Steps of the committed checkpoints this manager's naming recognises, ascending."""
-        steps = []
-        for name in self.repo.names():
-            m = STEP_NAME.fullmatch(name)
-            if m:
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        """Steps of the committed checkpoints this manager's naming recognises, in commit
+        order (oldest first; see CheckpointStore.history)."""
+        return [int(m.group(1)) for name in self.repo.history()
+                if (m := STEP_NAME.fullmatch(name))]
 
-    def latest_step(self) -> int | None:
+    def latest_step(self, before: int | None = None) -> int | None:
+        """The step of the newest whole checkpoint in commit order (a manifest that cannot be
+        read is skipped), or None. With `before`: the newest committed before that step's
+        checkpoint."""
         steps = self.steps()
-        return steps[-1] if steps else None
+        if before is not None:
+            steps = steps[: steps.index(before)] if before in steps else []
+        for step in reversed(steps):
+            if self.repo.find_manifest(self.name_of(step)) is not None:
+                return step
+        return None
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any],
@@ -112,7 +120,8 @@ class CheckpointManager:
             raise
 
     def _retain(self, info: SaveInfo) -> None:
-        drop = self.retention.to_delete(self.steps())
+        saved = STEP_NAME.fullmatch(info.name)
+        drop = self.retention.to_delete(self.steps(), int(saved.group(1)) if saved else None)
         if not drop:
             return
         doomed: set[str] = set()
@@ -138,14 +147,33 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
         """Load the latest checkpoint (or `step`) into `state` in place and return its step;
-        None if there is none. Collective under torch.distributed: rank 0 picks the step."""
+        None if there is none. Collective under torch.distributed: rank 0 picks the step.
+
+        The latest is the newest whole checkpoint in commit order. On one process, if it turns
+        out damaged while loading (a missing or corrupt blob), a warning names it and the one
+        before it is loaded instead (every tensor of `state` is then overwritten again)."""
         self.wait()
+        chosen = step is None
         if step is None:
             step = self.latest_step()
         if self.distributed:
             step = cdist.broadcast_json(step, self.group)
-        if step is None:
-            return None
+        while step is not None:
+            try:
+                self._load_into(state, step)
+                return step
+            except (IntegrityError, FormatError) as exc:
+                if not chosen or self.distributed:
+                    raise
+                older = self.latest_step(before=step)
+                if older is None:
+                    raise
+                warnings.warn(f"checkpoint step {step} is damaged ({exc}); resuming from step "
+                              f"{older}", RuntimeWarning, stacklevel=2)
+                step = older
+        return None
+
+    def _load_into(self, state: Mapping[str, Any], step: int) -> None:
         into: dict[str, Any] = {}
         for k, v in state.items():
             if isinstance(v, torch.nn.Module) or not _is_stateful(v):
@@ -164,7 +192,6 @@ class CheckpointManager:
                 v.load_state_dict(loaded[k])
             else:
                 _assign_in_place(v, loaded[k], k)
-        return step
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> SaveInfo | None:

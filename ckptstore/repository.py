@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import logging
 import os
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +30,10 @@ from .errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     RepositoryNotFoundError,
+    StoreError,
     UnsupportedTypeError,
 )
-from .hashing import HASH_NAME
+from .hashing import HASH_NAME, blob_key
 from .loading import load_state
 from .manifest import Manifest, committed_manifest, gc_paused, parse_manifest
 from .names import validate_name
@@ -49,14 +52,32 @@ LATEST = "latest"
 # canonical JSON sorts keys, so every manifest starts with its creation time
 _HEADER_RE = re.compile(rb'\{"created":(-?[0-9][0-9.eE+-]*),"format":"ckptstore\.manifest"')
 _HEADER_BYTES = 96
-
-
-class _NoHeader(Exception):
-    """A manifest does not start with the canonical creation-time header."""
+#: A save's manifest is created at least this long after the newest checkpoint it saw.
+COMMIT_ORDER_STEP = 1e-3
+log = logging.getLogger("ckptstore")
 
 
 def manifest_key(name: str) -> str:
     return f"{MANIFEST_PREFIX}{validate_name(name)}.json"
+
+
+@dataclass(frozen=True)
+class ManifestProblem:
+    """An object under checkpoints/ that is not a readable manifest, and why. Listing and
+    `latest` skip it; gc refuses to run while one with a checkpoint name exists."""
+
+    key: str
+    reason: str
+
+
+class ReusedBlobsMissingError(StoreError):
+    """Blobs a save meant to reuse from earlier checkpoints were deleted meanwhile (a gc ran
+    beside the save); the manifest was not committed."""
+
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__(f"{len(missing)} blob(s) this save reuses were deleted before its "
+                         f"commit (first: {missing[0]}); nothing was committed")
+        self.missing = missing
 
 
 @dataclass(frozen=True)
@@ -149,6 +170,7 @@ class CheckpointStore:
         self._arena = StagingArena()
         self._bg = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-async")
         self._pending: SaveHandle | None = None
+        self._not_before = 0.0  # set by each save's _prepare (see CheckpointWriter.not_before)
 
     # ------------------------------------------------------------------ marker
     def _check_marker(self, create: bool) -> None:
@@ -201,50 +223,89 @@ class CheckpointStore:
         return manifest
 
     def names(self) -> list[str]:
-        """Names of the committed checkpoints, unordered (one listing, no manifest reads)."""
+        """Names of the committed checkpoints, unordered (one listing, no manifest reads).
+        Objects under checkpoints/ whose names no checkpoint can have are skipped."""
         return list(self._listing())
 
-    def _listing(self) -> dict[str, int]:
-        """name -> manifest size in bytes, from one listing."""
+    def _listing(self, problems: list[ManifestProblem] | None = None) -> dict[str, int]:
+        """name -> manifest size in bytes, from one listing. Keys that cannot be manifests
+        (`._step-1.json`, `step 1.json`, sub-folders) are skipped, or added to `problems`."""
         out = {}
         for info in self.store.list(MANIFEST_PREFIX):
             rest = info.key[len(MANIFEST_PREFIX):]
-            if rest.endswith(".json") and "/" not in rest:
-                out[rest[: -len(".json")]] = info.size
+            name = rest[: -len(".json")] if rest.endswith(".json") else ""
+            try:
+                out[validate_name(name)] = info.size
+            except ValueError:
+                if problems is not None:
+                    problems.append(ManifestProblem(info.key, "not a checkpoint name: ignored"))
         return out
 
     def list(self) -> list[CheckpointInfo]:
-        """Every committed checkpoint, oldest first (by creation time, then name)."""
+        """Every committed checkpoint, in commit order (oldest first: by creation time, then
+        name). Manifests that cannot be read are skipped and logged (see `problems`)."""
         names = self.names()
         with cf.ThreadPoolExecutor(8) as pool:
-            manifests = list(pool.map(self._manifest_or_none, names))
+            manifests = list(pool.map(self.find_manifest, names))
         infos = [CheckpointInfo(m.name, m.created, m.metadata, m.logical_bytes,
                                 len(m.tensors), m.parent) for m in manifests if m is not None]
         return sorted(infos, key=lambda i: (i.created, i.name))
 
-    def _manifest_or_none(self, name: str) -> Manifest | None:
+    def problems(self) -> list[ManifestProblem]:
+        """Every object under checkpoints/ that is not a readable manifest, and why (reads
+        every manifest)."""
+        problems: list[ManifestProblem] = []
+        names = self._listing(problems)
+        with cf.ThreadPoolExecutor(8) as pool:
+            for name, error in zip(names, pool.map(self._manifest_error, names)):
+                if error is not None:
+                    problems.append(ManifestProblem(manifest_key(name), error))
+        return sorted(problems, key=lambda p: p.key)
+
+    def _manifest_error(self, name: str) -> str | None:
+        try:
+            self.manifest(name)
+        except CheckpointNotFoundError:
+            return None  # deleted meanwhile
+        except FormatError as exc:
+            return str(exc)
+        return None
+
+    def find_manifest(self, name: str) -> Manifest | None:
+        """The manifest of `name`, or None if there is none or it cannot be read (logged)."""
         try:
             return self.manifest(name)
-        except CheckpointNotFoundError:  # deleted between listing and reading
+        except CheckpointNotFoundError:
+            return None
+        except FormatError as exc:
+            log.warning("skipping unreadable manifest: %s", exc)
             return None
 
-    def latest(self) -> str | None:
-        """Name of the newest checkpoint (by creation time, then name), or None if there is
-        none. Reads only the first bytes of each manifest, where canonical JSON puts
-        "created"; falls back to parsing every manifest if one does not start that way."""
+    def history(self) -> list[str]:
+        """Names of the committed checkpoints in commit order, oldest first: by `created`,
+        which every save sets later than that of the newest checkpoint it saw (so a run that
+        went back to an earlier step and saves again comes after the run it abandoned), then
+        by name. Reads only the first bytes of each manifest, where canonical JSON puts
+        "created"; may list a manifest whose later bytes are damaged (see `latest`)."""
         listing = self._listing()
-        try:
-            with cf.ThreadPoolExecutor(8) as pool:
-                created = list(pool.map(lambda item: self._created(*item), listing.items()))
-        except _NoHeader:
-            infos = self.list()
-            return infos[-1].name if infos else None
-        found = [(c, name) for c, name in zip(created, listing) if c is not None]
-        return max(found)[1] if found else None
+        with cf.ThreadPoolExecutor(8) as pool:
+            created = list(pool.map(lambda item: self._created(*item), listing.items()))
+        return [name for _c, name in sorted(
+            (c, name) for c, name in zip(created, listing) if c is not None)]
+
+    def latest(self) -> str | None:
+        """Name of the newest whole checkpoint in commit order (see `history`), or None if
+        there is none. A newest manifest that cannot be read (torn, corrupt) is skipped and
+        logged: the one before it is the latest."""
+        for name in reversed(self.history()):
+            if self.find_manifest(name) is not None:
+                return name
+        return None
 
     def _created(self, name: str, size: int) -> float | None:
-        """Creation time of a checkpoint from its manifest's first bytes; None if it was
-        deleted meanwhile. Raises _NoHeader if those bytes do not have the expected form."""
+        """Creation time of a checkpoint from its manifest's first bytes (or, for a manifest
+        not in canonical form, the whole manifest); None if it was deleted meanwhile or
+        cannot be read."""
         with self._cache_lock:
             cached = self._manifests.get(name)
         if cached is not None:
@@ -253,10 +314,13 @@ class CheckpointStore:
             head = self.store.get_range(manifest_key(name), 0, min(size, _HEADER_BYTES))
         except ObjectNotFoundError:
             return None
+        except StoreError:
+            head = b""  # shorter than listed (replaced meanwhile): read it whole
         match = _HEADER_RE.match(head)
-        if match is None:
-            raise _NoHeader(name)
-        return float(match.group(1))
+        if match is not None:
+            return float(match.group(1))
+        manifest = self.find_manifest(name)
+        return None if manifest is None else manifest.created
 
     def exists(self, name: str) -> bool:
         return self.store.exists(manifest_key(name))
@@ -288,13 +352,16 @@ class CheckpointStore:
                                         "was not touched")
         encoder = TreeEncoder()
         with gc_paused():
-            tree = encoder.encode(state)
-        parent_name = self.latest() if parent == LATEST else parent
+            tree = encoder.encode_state(state)
+        latest = self.latest()
+        parent_name = latest if parent == LATEST else parent
         # Only the parent's chunks are known to exist: chunks remembered from earlier saves
         # may belong to checkpoints deleted (and swept by retention or gc) since.
         self._known = KnownChunks()
         if parent_name is not None:
             self._known.add_manifest(self.manifest(parent_name))
+        self._not_before = 0.0 if latest is None else (
+            self.manifest(latest).created + COMMIT_ORDER_STEP)
         return tree, encoder.leaves, metadata, parent_name
 
     def _prepare_or_report(self, name: str, state: Any, metadata: dict[str, Any] | None,
@@ -326,12 +393,19 @@ class CheckpointStore:
     def _write(self, name: str, tree: Any, leaves: list, metadata: dict[str, Any],
                parent: str | None, options: SaveOptions, t0: float, blocked: float,
                hooks: SaveHooks | None = None, lease: leases.Lease | None = None) -> SaveInfo:
-        writer = CheckpointWriter(self.store, options, self._known)
-        if hooks is not None and hooks.collective is not None:
-            manifest = hooks.collective(writer, name, tree, leaves, metadata, parent,
-                                        manifest_key(name))
+        collective = hooks.collective if hooks is not None else None
+        writer = self._writer(options, self._known, lease)
+        if collective is not None:
+            manifest = collective(writer, name, tree, leaves, metadata, parent,
+                                  manifest_key(name))
         else:
-            manifest = writer.write(name, tree, leaves, metadata, parent, manifest_key(name))
+            try:
+                manifest = writer.write(name, tree, leaves, metadata, parent, manifest_key(name))
+            except ReusedBlobsMissingError as exc:
+                # a gc deleted chunks this save meant to reuse: write every chunk again
+                log.warning("%s; writing checkpoint %r again without reusing chunks", exc, name)
+                writer = self._writer(options, KnownChunks(), lease)
+                manifest = writer.write(name, tree, leaves, metadata, parent, manifest_key(name))
         if manifest is not None:
             # cache what any reader will parse from the store: the writer's own objects only
             # when they provably equal that parse, else the parse of the committed bytes
@@ -351,8 +425,33 @@ class CheckpointStore:
         if lease is not None:
             lease.release()  # committed: after_commit (retention's sweep) may take a gc lease
         if hooks is not None and hooks.after_commit is not None:
-            hooks.after_commit(info)
+            try:
+                hooks.after_commit(info)
+            except Exception as exc:  # the checkpoint is committed: the save succeeded
+                warnings.warn(f"checkpoint {name!r} was committed, but what runs after the "
+                              f"commit (retention) failed: {type(exc).__name__}: {exc}",
+                              RuntimeWarning, stacklevel=2)
         return info
+
+    def _writer(self, options: SaveOptions, known: KnownChunks,
+                lease: leases.Lease | None) -> CheckpointWriter:
+        writer = CheckpointWriter(self.store, options, known)
+        writer.not_before = self._not_before
+        if lease is not None:
+            writer.before_commit = lambda _m, reused: self._confirm_reused(lease, reused)
+        return writer
+
+    def _confirm_reused(self, lease: leases.Lease, reused: set[str]) -> None:
+        """Before a commit: if a gc may have run since the save took its lease, check that
+        every blob it reuses from earlier checkpoints still exists (see leases.py)."""
+        if not reused or not lease.sweep_may_have_run():
+            return
+        keys = sorted(reused)
+        with cf.ThreadPoolExecutor(8) as pool:
+            present = list(pool.map(lambda b: self.store.exists(blob_key(b)), keys))
+        missing = [b for b, ok in zip(keys, present) if not ok]
+        if missing:
+            raise ReusedBlobsMissingError(missing)
 
     def _wait_pending(self) -> None:
         """Wait for the save in flight; re-raise its error if nobody has seen it yet."""

@@ -97,6 +97,16 @@ class TreeEncoder:
         self.leaves: list[ArrayLeaf] = []
         self._memo: dict[int, int] = {}  # id(obj) -> leaf index, for repeated objects
         self._keepalive: list[object] = []
+        self._dotted = False  # some dict key contains a "." (keys may then collide)
+
+    def encode_state(self, state: Any) -> Any:
+        """The tree node of a whole state. Raises UnsupportedTypeError if two of its values
+        have the same dotted key (`{"a": {"b": x}, "a.b": y}`, `{1: x, "1": y}`): loads by
+        key (`into=`, `keys=`) could not tell them apart."""
+        tree = self.encode(state)
+        if self._dotted:
+            check_unique_keys(state)
+        return tree
 
     def encode(self, obj: Any, path: Path = ()) -> Any:
         """The tree node of `obj`; array leaves are appended to `self.leaves`."""
@@ -143,16 +153,27 @@ class TreeEncoder:
 
     def _items(self, obj: dict, path: Path) -> list[Any]:
         items = []
+        ints = False
         for k, v in obj.items():
             if type(k) is str:
                 key: list[Any] = ["s", k]
+                if "." in k:
+                    self._dotted = True
             elif type(k) is int:
                 key = ["i", k]
+                ints = True
             else:
                 raise UnsupportedTypeError(
                     f"{key_string(path) or '<root>'}: dict key {k!r:.60} is a "
                     f"{type(k).__name__}; only str and int keys can be stored")
             items.append([key, self.encode(v, (*path, k))])
+        if ints:
+            same = {str(k) for k in obj if type(k) is int} & {k for k in obj if type(k) is str}
+            if same:
+                k = sorted(same)[0]
+                raise UnsupportedTypeError(
+                    f"{key_string(path) or '<root>'}: keys {int(k)} and {k!r} are both "
+                    f"written {key_string((*path, k))!r}; rename one of them")
         return items
 
     def _np_scalar(self, obj: np.generic, path: Path) -> Any:
@@ -185,6 +206,26 @@ class TreeEncoder:
         self._memo[id(obj)] = len(self.leaves) - 1
         self._keepalive.append(obj)  # ids stay unique while the encoder lives
         return len(self.leaves) - 1
+
+
+def check_unique_keys(state: Any) -> None:
+    """Raise UnsupportedTypeError if two values (or containers) in `state` have the same
+    dotted key."""
+    seen: dict[str, Path] = {}
+    stack: list[tuple[Any, Path]] = [(state, ())]
+    while stack:
+        obj, path = stack.pop()
+        if path:
+            key = key_string(path)
+            other = seen.setdefault(key, path)
+            if other != path:
+                raise UnsupportedTypeError(
+                    f"{key!r} names two values, at {list(other)} and {list(path)}: loads by "
+                    "dotted key could not tell them apart; rename one of them")
+        if isinstance(obj, dict):
+            stack.extend((v, (*path, k)) for k, v in obj.items())
+        elif type(obj) in (list, tuple):
+            stack.extend((v, (*path, i)) for i, v in enumerate(obj))
 
 
 def numpy_leaf(arr: np.ndarray, key: str) -> ArrayLeaf:

@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,6 +198,14 @@ class CheckpointWriter:
         self._claimed: set[str] = set()  # blobs written (or being written) by this save
         self.committed: bytes | None = None  # the manifest bytes, once committed
         self._claim_lock = threading.Lock()
+        #: Commit order: the manifest's `created` is at least this (the newest checkpoint's
+        #: `created` plus a millisecond), so a save commits after every checkpoint it saw,
+        #: whatever this host's clock says.
+        self.not_before = 0.0
+        #: Called after the blobs are durable and before the manifest is created, with the
+        #: manifest and the blobs it references that this writer did not write (reused from
+        #: earlier checkpoints); raising stops the commit.
+        self.before_commit: Callable[[Manifest, set[str]], None] | None = None
 
     # ---------------------------------------------------------------- one blob
     def _put_blob(self, blob: str, data: memoryview | bytes | bytearray) -> bool:
@@ -313,12 +321,20 @@ class CheckpointWriter:
                 raise
         return refs
 
+    def creation_time(self) -> float:
+        """The `created` time of the manifest committed now (see `not_before`)."""
+        return max(time.time(), self.not_before)
+
     def commit(self, manifest: Manifest, manifest_key: str) -> bytes:
         """Make the blobs durable, then create the manifest create-only. Returns the bytes
         committed."""
         body = manifest.to_bytes()
         with self.stats.timed("commit"):
             self.store.sync()  # every blob durable before the manifest exists
+            if self.before_commit is not None:
+                with self._claim_lock:
+                    reused = manifest.blob_digests() - self._claimed
+                self.before_commit(manifest, reused)
             try:
                 self.store.create(manifest_key, body)
             except ObjectExistsError:
@@ -342,8 +358,8 @@ class CheckpointWriter:
         specs = [TensorSpec.of(leaf) for leaf in leaves]
         entries = build_entries(specs, plans, refs, self.options.compression,
                                 storage_refs(leaves))
-        manifest = Manifest(name=name, created=time.time(), metadata=metadata, tree=tree,
-                            tensors=entries, parent=parent)
+        manifest = Manifest(name=name, created=self.creation_time(), metadata=metadata,
+                            tree=tree, tensors=entries, parent=parent)
         self.commit(manifest, manifest_key)
         return manifest
 

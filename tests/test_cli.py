@@ -21,6 +21,7 @@ import pytest
 
 from ckptstore import CheckpointStore
 from ckptstore.hashing import blob_key
+from ckptstore.maintenance import MIN_BLOB_AGE
 
 TIMEOUT = 120
 
@@ -299,10 +300,21 @@ def test_verify_on_s3_with_flipped_and_deleted_blobs(s3_repo: str, moto_endpoint
 
 
 # ------------------------------------------------------------------------------- rm, gc
+def age_blobs(repo: str) -> None:
+    """Make every blob older than gc's floor (MIN_BLOB_AGE) on the store's clock: file mtimes."""
+    old = time.time() - MIN_BLOB_AGE - 60
+    for path in Path(repo, "blobs").rglob("*"):
+        if path.is_file():
+            os.utime(path, (old, old))
+
+
 def test_rm_then_gc_dry_run_grace_and_delete(local_repo: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     r = ckpt("rm", local_repo, "step-100")
     assert r.rc == 0 and r.doc["deleted"] == ["step-100"]
+    fresh = ckpt("gc", local_repo, "--grace", "0", "--dry-run")  # young: kept whatever grace
+    assert fresh.rc == 0 and fresh.doc["deleted_blobs"] == 0 and fresh.doc["kept_young_blobs"]
+    age_blobs(local_repo)
     dry, young = ckpt_many(("gc", local_repo, "--grace", "0", "--dry-run"),
                            ("gc", local_repo, "--grace", "1h"))
     assert dry.rc == 0 and dry.doc["dry_run"] is True and dry.doc["deleted_blobs"] > 0
@@ -322,8 +334,8 @@ def test_rm_then_gc_dry_run_grace_and_delete(local_repo: str,
 def test_rm_and_gc_on_s3(s3_repo: str, moto_endpoint: str) -> None:
     ep = ("--endpoint-url", moto_endpoint)
     assert ckpt("rm", s3_repo, "step-200", *ep).rc == 0
-    gc = ckpt("gc", s3_repo, "--grace", "0", *ep)
-    assert gc.rc == 0 and gc.doc["deleted_blobs"] > 0, gc.err
+    gc = ckpt("gc", s3_repo, "--grace", "0", *ep)  # the blobs are seconds old on S3's clock
+    assert gc.rc == 0 and gc.doc["deleted_blobs"] == 0 and gc.doc["kept_young_blobs"] > 0, gc.err
     with CheckpointStore(s3_repo, create=False, endpoint_url=moto_endpoint) as repo:
         assert repo.names() == ["step-100"] and repo.verify("step-100").ok
 
@@ -389,6 +401,7 @@ def test_gc_grace_zero_during_a_save_in_another_process(tmp_path: Path) -> None:
         if r.rc == 75:
             assert "save(s) in progress" in one_error_line(r, 75)
     assert runs[0].rc == 75, "the gc during the held save did not refuse"
+    age_blobs(uri)
     final = ckpt("gc", uri, "--grace", "0")
     assert final.rc == 0, final.err
     assert final.doc["deleted_blobs"] + sum(

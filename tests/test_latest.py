@@ -1,5 +1,5 @@
-"""`latest()` finds the newest checkpoint from the first bytes of each manifest, without
-parsing every manifest in the repository."""
+"""`latest()` finds the newest checkpoint from the first bytes of each manifest and parses
+only the newest one (to be sure it is whole), not every manifest in the repository."""
 
 from __future__ import annotations
 
@@ -33,15 +33,18 @@ def test_latest_is_newest_by_creation_time(store_uri, store_options):
     assert _repo(store_uri, store_options).latest() == "alpha"
 
 
-def test_latest_parses_no_manifest(store_uri, store_options, monkeypatch):
+def test_latest_parses_only_the_newest_manifest(store_uri, store_options, monkeypatch):
     _save_three(_repo(store_uri, store_options))
     fresh = _repo(store_uri, store_options)
+    parsed = []
 
-    def no_parse(*args, **kwargs):
-        raise AssertionError("latest() parsed a whole manifest")
+    def counting_parse(data, expected_name=None):
+        parsed.append(expected_name)
+        return manifest_mod.parse_manifest(data, expected_name)
 
-    monkeypatch.setattr("ckptstore.repository.parse_manifest", no_parse)
+    monkeypatch.setattr("ckptstore.repository.parse_manifest", counting_parse)
     assert fresh.latest() == "mid"
+    assert parsed == ["mid"]
 
 
 def test_a_corrupt_older_manifest_does_not_hide_the_latest(store_uri, store_options):
@@ -53,8 +56,11 @@ def test_a_corrupt_older_manifest_does_not_hide_the_latest(store_uri, store_opti
     fresh = _repo(store_uri, store_options)
     assert fresh.latest() == "mid"
     assert torch.equal(fresh.load()["w"], torch.arange(4) + 3)
+    assert [i.name for i in fresh.list()] == ["alpha", "mid"]  # skipped, and reported:
+    [problem] = fresh.problems()
+    assert problem.key == key and "not valid JSON" in problem.reason
     with pytest.raises(FormatError):
-        fresh.list()
+        fresh.load("zeta")
 
 
 def test_manifest_without_canonical_header_falls_back_to_parsing(store_uri, store_options):
