@@ -4,18 +4,47 @@ their destinations, read them in parallel, rebuild the tree."""
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from . import tree as tree_mod
-from .errors import KeyMismatchError
+from .errors import FormatError, KeyMismatchError
 from .manifest import Manifest, TensorEntry
 from .reader import CheckpointReader, ReadTarget
 from .sharding import Shard
 
 Finish = Callable[[], None] | None
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine (the default cap of what one load may allocate)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def check_allocation(manifest: Manifest, fresh: list[int], limit: int | None) -> None:
+    """Raise FormatError, before anything is allocated, if the tensors a load must create
+    (`fresh`, indexes into manifest.tensors; shared storages counted once) declare more than
+    `limit` bytes (default: this machine's RAM): such a manifest is damaged or hostile."""
+    limit = physical_memory() if limit is None else limit
+    storages: dict[int, int] = {}
+    total = 0
+    for i in fresh:
+        entry = manifest.tensors[i]
+        if entry.storage is not None:
+            storages[entry.storage.id] = entry.storage.nbytes
+        else:
+            total += entry.nbytes
+    total += sum(storages.values())
+    if total > limit:
+        raise FormatError(f"checkpoint {manifest.name!r} declares {total} bytes of tensors to "
+                          f"allocate, more than the {limit} this load may use (damaged or "
+                          "hostile manifest? load parts of it with keys=, or into=)")
 
 
 def key_filter(keys: Iterable[str] | None) -> Callable[[str], bool] | None:
@@ -71,9 +100,12 @@ def _check_numpy_dest(dest: Any, entry: TensorEntry) -> str | None:
 
 
 def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
-               keys: Iterable[str] | None = None, strict: bool = True) -> Any:
+               keys: Iterable[str] | None = None, strict: bool = True,
+               max_alloc_bytes: int | None = None) -> Any:
     """Rebuild the saved state. With `into`, tensors found in it by dotted key are filled in
-    place and returned as the same objects; with `keys`, only those subtrees are loaded."""
+    place and returned as the same objects; with `keys`, only those subtrees are loaded. The
+    tensors created here may declare at most `max_alloc_bytes` in all (see check_allocation);
+    an allocation that fails anyway raises FormatError naming the tensor."""
     keep = key_filter(keys)
     # per tensor only strings and temporaries: thousands of retained tuples would cost more
     # in the cyclic GC's full collections than building them
@@ -84,6 +116,8 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
         _check_keys_exist(manifest, keys or [])
     dests = tree_mod.flatten_arrays(into) if into is not None else {}
     _check_into(manifest, selected, key_of, dests, strict, keep)
+    check_allocation(manifest, [i for i in selected if key_of.get(i, "") not in dests],
+                     max_alloc_bytes)
 
     torch_mat = None
     values: dict[int, Any] = {}
@@ -97,15 +131,20 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
         dest = None
         if original is not None:
             dest, rows, _gshape = local_part(original, key)
-        if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
-            if torch_mat is None:
-                torch_mat = _torch_interop().TorchMaterializer()
-            value, buf, fin = (torch_mat.into(dest, entry) if dest is not None
-                               else torch_mat.new(entry))
-        elif entry.kind == "bytes":
-            value, buf, fin = _numpy_new(entry)
-        else:
-            value, buf, fin = _numpy_into(dest, entry) if dest is not None else _numpy_new(entry)
+        try:
+            if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
+                if torch_mat is None:
+                    torch_mat = _torch_interop().TorchMaterializer()
+                value, buf, fin = (torch_mat.into(dest, entry) if dest is not None
+                                   else torch_mat.new(entry))
+            elif entry.kind == "bytes":
+                value, buf, fin = _numpy_new(entry)
+            else:
+                value, buf, fin = (_numpy_into(dest, entry) if dest is not None
+                                   else _numpy_new(entry))
+        except (MemoryError, RuntimeError, ValueError, OverflowError) as exc:
+            raise FormatError(f"tensor {key!r}: cannot allocate {entry.dtype.name} of shape "
+                              f"{list(entry.shape)}: {type(exc).__name__}: {exc}") from None
         values[i] = original if original is not None else value
         if buf.nbytes:
             targets.append(ReadTarget(entry, buf, rows))

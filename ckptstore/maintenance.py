@@ -18,6 +18,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from . import leases
 from .errors import CkptStoreError, IntegrityError, ObjectNotFoundError, StoreError
 from .hashing import blob_key, digest, is_digest
@@ -87,9 +89,12 @@ def _check_blob(repo: CheckpointStore, blob: str,
             if digest(part) != chunk.digest:
                 return (len(data), "corrupt", f"chunk of {entry.key!r} does not match")
             continue
-        out = bytearray(chunk.nbytes)
+        if chunk.offset != 0 or chunk.size != len(data):
+            return (len(data), "corrupt", f"blob size {len(data)} differs from the "
+                                          f"{chunk.size} bytes declared for {entry.key!r}")
+        out = memoryview(np.empty(chunk.nbytes, np.uint8)).cast("B")  # pages filled lazily
         try:
-            entry.codec.decode_into(part, memoryview(out), entry.dtype.itemsize, entry.key)
+            entry.codec.decode_into(part, out, entry.dtype.itemsize, entry.key)
         except IntegrityError as exc:
             return (len(data), "corrupt", str(exc))
         if digest(out) != chunk.digest:

@@ -36,6 +36,9 @@ MAX_TREE_DEPTH = 256
 MAX_DIMS = 64
 #: No chunk may declare more raw bytes than this (bounds any single allocation on read).
 MAX_CHUNK_BYTES = 1 << 34
+#: No tensor or shared storage may declare more bytes than this (1 PiB), counting every
+#: dimension as at least 1, so that shape arithmetic never overflows an allocator.
+MAX_TENSOR_BYTES = 1 << 50
 TENSOR_KINDS = ("torch", "numpy", "bytes")
 
 
@@ -166,6 +169,13 @@ class TensorEntry:
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
             "fill_value": fill, "codecs": codecs, "attributes": {"ckptstore": attrs},
         }
+
+
+def extent_ok(shape: tuple[int, ...], itemsize: int, storage_nbytes: int = 0) -> bool:
+    """The size rule for tensors: every dimension counted as at least 1, the tensor (and its
+    storage) stays within MAX_TENSOR_BYTES."""
+    return (math.prod(max(1, n) for n in shape) * itemsize <= MAX_TENSOR_BYTES
+            and storage_nbytes <= MAX_TENSOR_BYTES)
 
 
 def expected_chunk_count(shape: tuple[int, ...], chunk_rows: int, itemsize: int) -> int:
@@ -376,6 +386,8 @@ def _entry_ok(e: TensorEntry) -> bool:
         return False
     if e.storage is not None and not _storage_ok(e):
         return False
+    if not extent_ok(shape, dtype.itemsize, 0 if e.storage is None else e.storage.nbytes):
+        return False
     if e.kind != "torch" and (e.requires_grad or e.parameter):
         return False
     if e.kind == "bytes" and (dtype.name != "uint8" or len(shape) != 1):
@@ -501,6 +513,9 @@ def _parse_tensor(doc: Any, index: int) -> TensorEntry:
     if len(shape_doc) > MAX_DIMS:
         raise _fail(where, f"more than {MAX_DIMS} dimensions")
     shape = tuple(_int(s, f"{where}.shape") for s in shape_doc)
+    if not extent_ok(shape, dtype.itemsize):
+        raise _fail(where, f"shape {list(shape)} of {dtype.name} declares more than "
+                           f"{MAX_TENSOR_BYTES} bytes")
     nbytes = math.prod(shape) * dtype.itemsize
     chunk_rows = _int(a["chunk_rows"], f"{where}.chunk_rows", 1 if shape else 0)
     codec = parse_codec(a["codec"])
@@ -514,6 +529,8 @@ def _parse_tensor(doc: Any, index: int) -> TensorEntry:
                              _int(s["offset"], where), stride)
         if len(stride) != len(shape):
             raise _fail(where, "storage stride rank differs from shape")
+        if not extent_ok((), 1, storage.nbytes):
+            raise _fail(where, f"storage declares more than {MAX_TENSOR_BYTES} bytes")
         if nbytes:
             extent = storage.offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1
             if extent * dtype.itemsize > storage.nbytes:

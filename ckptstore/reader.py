@@ -164,8 +164,8 @@ class CheckpointReader:
                 raise _bad(p)
             return
         with budget.hold(c.size):
-            stored = bytearray(c.size)
-            if self._fetch_into(e, c.blob, 0, memoryview(stored), want_digest=True) != c.blob:
+            stored = _scratch(c.size)
+            if self._fetch_into(e, c.blob, 0, stored, want_digest=True) != c.blob:
                 raise IntegrityError(f"tensor {e.key!r}: blob {c.blob} is corrupt "
                                      "(stored bytes do not match their digest)")
             e.codec.decode_into(stored, dest, e.dtype.itemsize,
@@ -182,14 +182,21 @@ class CheckpointReader:
         lo = run[0].chunk.offset
         hi = max(p.chunk.offset + p.chunk.size for p in run)
         with budget.hold(hi - lo):
-            span = bytearray(hi - lo)
-            self._fetch_into(run[0].entry, blob, lo, memoryview(span))
+            span = _scratch(hi - lo)
+            self._fetch_into(run[0].entry, blob, lo, span)
             for p in run:
                 a = p.chunk.offset - lo
-                part = memoryview(span)[a : a + p.chunk.size]
+                part = span[a : a + p.chunk.size]
                 if digest(part) != p.chunk.digest:
                     raise _bad(p)
                 p.dest[:] = np.frombuffer(part, np.uint8)
+
+
+def _scratch(nbytes: int) -> memoryview:
+    """An uninitialised buffer for bytes about to be read. Its pages are committed only as
+    the read fills them, so a manifest that declares more bytes than the blob holds costs the
+    blob's real size, not the declared one, before the short read is reported."""
+    return memoryview(np.empty(nbytes, np.uint8)).cast("B")
 
 
 def _check(p: _Piece, data: memoryview) -> None:

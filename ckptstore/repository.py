@@ -35,7 +35,13 @@ from .errors import (
 )
 from .hashing import HASH_NAME, blob_key
 from .loading import load_state
-from .manifest import Manifest, committed_manifest, gc_paused, parse_manifest
+from .manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    committed_manifest,
+    gc_paused,
+    parse_manifest,
+)
 from .names import validate_name
 from .reader import CheckpointReader, LoadOptions
 from .staging import StagingArena
@@ -211,6 +217,10 @@ class CheckpointStore:
         if cached is not None:
             return cached
         try:
+            size = self.store.stat(key).size  # the cap is checked before reading the object
+            if size > MAX_MANIFEST_BYTES:
+                raise FormatError(f"checkpoint {name!r} in {self.uri}: manifest of {size} bytes"
+                                  f" is larger than the {MAX_MANIFEST_BYTES} allowed")
             raw = self.store.get(key)
         except ObjectNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.uri}") from None
