@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from .errors import FormatError
@@ -34,12 +35,15 @@ def canonical_json(doc: Any) -> bytes:
     return canonical_str(doc).encode("utf-8")
 
 
-def seal(body: bytes) -> bytes:
+Digest = Callable[[bytes], str]
+
+
+def seal(body: bytes, digest_of: Digest = digest) -> bytes:
     """`body` (the canonical JSON of a non-empty object) with its self-digest appended as the
-    last field."""
+    last field (xxh3-128, or the repository's hash algorithm for manifests)."""
     if len(body) < 3 or not body.startswith(b"{") or not body.endswith(b"}"):
         raise ValueError("only a non-empty JSON object can be sealed")
-    return b"%s,\"%s\":\"%s\"}" % (body[:-1], SEAL_FIELD.encode(), digest(body).encode())
+    return b"%s,\"%s\":\"%s\"}" % (body[:-1], SEAL_FIELD.encode(), digest_of(body).encode())
 
 
 def is_sealed(data: bytes) -> bool:
@@ -47,11 +51,11 @@ def is_sealed(data: bytes) -> bool:
     return _SEAL_TAIL.search(data[-64:]) is not None
 
 
-def check_seal(data: bytes, what: str) -> None:
+def check_seal(data: bytes, what: str, digest_of: Digest = digest) -> None:
     """Raise FormatError unless `data` ends with a seal that matches the rest of it."""
     match = _SEAL_TAIL.search(data, max(0, len(data) - 64))
     if match is None:
         raise FormatError(f"{what} has no valid {SEAL_FIELD} field at its end")
     body = data[: match.start()] + b"}"
-    if digest(body) != match.group(1).decode():
+    if digest_of(body) != match.group(1).decode():
         raise FormatError(f"{what} is corrupt: its content does not match its {SEAL_FIELD}")

@@ -28,11 +28,12 @@ from . import leases
 from .budget import ByteBudget
 from .errors import (
     CheckpointExistsError,
+    FormatError,
     IntegrityError,
     ObjectExistsError,
     ObjectNotFoundError,
 )
-from .hashing import blob_key, digest, is_digest
+from .hashing import blob_key, is_digest
 from .maintenance import BLOB_PREFIX
 from .manifest import Manifest, parse_manifest
 from .repository import CheckpointStore, manifest_key
@@ -82,12 +83,16 @@ def copy_checkpoints(src: CheckpointStore, dst: CheckpointStore, names: Iterable
     called with the stored bytes of each blob sent; `on_total` once with the bytes to send."""
     t0 = time.perf_counter()
     report = CopyReport()
+    if src.hash != dst.hash:
+        raise FormatError(f"{src.uri} names chunks with {src.hash.name} and {dst.uri} with "
+                          f"{dst.hash.name}: checkpoints cannot be copied between them as they "
+                          "are (load and save instead); nothing copied")
     wanted = resolve_names(src, names)
     raw: dict[str, bytes] = {}
     manifests: dict[str, Manifest] = {}
     for name in wanted:
         data = src.store.get(manifest_key(name))
-        manifests[name] = parse_manifest(data, expected_name=name)
+        manifests[name] = parse_manifest(data, name, src.save_options.hash)
         raw[name] = data
         try:
             existing = dst.store.get(manifest_key(name))
@@ -120,7 +125,7 @@ def copy_checkpoints(src: CheckpointStore, dst: CheckpointStore, names: Iterable
                 except ObjectNotFoundError:
                     raise IntegrityError(f"blob {blob} is missing from {src.uri}; nothing "
                                          "committed in the destination") from None
-                if digest(data) != blob:
+                if src.save_options.hash.digest(data) != blob:
                     raise IntegrityError(f"blob {blob} in {src.uri} is corrupt (content does "
                                          "not match its digest); nothing committed in the "
                                          "destination")

@@ -244,7 +244,8 @@ def save_collective(writer: CheckpointWriter, name: str, tree: Any, leaves: list
                 entries = build_entries(specs, _global_plans(plans), all_refs,
                                         writer.options.compression, _replicated_storage(leaves))
                 manifest = Manifest(name=name, created=writer.creation_time(), metadata=metadata,
-                                    tree=tree, tensors=entries, parent=parent)
+                                    tree=tree, tensors=entries, parent=parent,
+                                    hash=writer.options.hash.name)
                 writer.commit(manifest, manifest_key)
             except Exception as exc:
                 err = f"rank 0: {type(exc).__name__}: {exc}"

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import leases
 from .errors import CkptStoreError, IntegrityError, ObjectNotFoundError, StoreError
-from .hashing import blob_key, digest, is_digest
+from .hashing import blob_key, is_digest
 from .manifest import ChunkRef, Manifest, TensorEntry
 
 if TYPE_CHECKING:
@@ -78,7 +78,8 @@ def _check_blob(repo: CheckpointStore, blob: str,
         return (0, "missing", "blob does not exist")
     except StoreError as exc:
         return (0, "unreadable", str(exc))
-    if digest(data) != blob:
+    hash_of = repo.save_options.hash.digest
+    if hash_of(data) != blob:
         return (len(data), "corrupt", "content does not match its digest")
     view = memoryview(data)
     for _name, entry, chunk in uses:
@@ -86,7 +87,7 @@ def _check_blob(repo: CheckpointStore, blob: str,
         if len(part) != chunk.size:
             return (len(data), "corrupt", f"shorter than chunk of {entry.key!r} needs")
         if entry.codec is None:
-            if digest(part) != chunk.digest:
+            if hash_of(part) != chunk.digest:
                 return (len(data), "corrupt", f"chunk of {entry.key!r} does not match")
             continue
         if chunk.offset != 0 or chunk.size != len(data):
@@ -97,7 +98,7 @@ def _check_blob(repo: CheckpointStore, blob: str,
             entry.codec.decode_into(part, out, entry.dtype.itemsize, entry.key)
         except IntegrityError as exc:
             return (len(data), "corrupt", str(exc))
-        if digest(out) != chunk.digest:
+        if hash_of(out) != chunk.digest:
             return (len(data), "corrupt", f"decoded chunk of {entry.key!r} does not match")
     return (len(data), "ok", "")
 

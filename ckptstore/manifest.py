@@ -23,7 +23,14 @@ from .canonical import SEAL_FIELD, canonical_str, check_seal, is_sealed, seal
 from .codecs import Codec, parse_codec
 from .dtypes import DTYPES, DType, by_name
 from .errors import FormatError
-from .hashing import HASH_NAME, check_digest
+from .hashing import (
+    ALGORITHMS,
+    HASH_NAME,
+    XXH3_128,
+    HashAlgorithm,
+    check_digest,
+    hash_algorithm,
+)
 from .names import validate_name
 
 _json_str = json.encoder.encode_basestring  # json.dumps' string writer (ensure_ascii=False)
@@ -199,6 +206,7 @@ class Manifest:
     parent: str | None = None
     version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    hash: str = HASH_NAME  # the repository's hash algorithm: chunk digests and the seal
 
     @property
     def logical_bytes(self) -> int:
@@ -216,13 +224,13 @@ class Manifest:
         head < "tensors" < tail) so that each tensor entry can be written by `_entry_json`,
         then sealed (version 2; a version-1 manifest is written unsealed, as it was)."""
         head = canonical_str({
-            "created": self.created, "format": FORMAT_NAME, "hash": HASH_NAME,
+            "created": self.created, "format": FORMAT_NAME, "hash": self.hash,
             "metadata": self.metadata, "name": self.name, "parent": self.parent})
         tail = canonical_str({"tree": self.tree, "version": self.version})
         tensors = ",".join(_entry_json(t) if ok else canonical_str(t.to_json())
                            for t, ok in zip(self.tensors, self.entries_ok()))
         body = f'{head[:-1]},"tensors":[{tensors}],{tail[1:]}'.encode()
-        return seal(body) if self.version >= 2 else body
+        return seal(body, hash_algorithm(self.hash).digest) if self.version >= 2 else body
 
     def entries_ok(self) -> list[bool]:
         """`_entry_ok` of every tensor entry, computed once per Manifest (serializing and
@@ -628,18 +636,21 @@ def _check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
         raise FormatError(f"unknown tree node kind {kind!r:.40}")
 
 
-def parse_manifest(data: bytes, expected_name: str | None = None) -> Manifest:
-    """Parse and validate untrusted manifest bytes. Raises FormatError on anything wrong."""
+def parse_manifest(data: bytes, expected_name: str | None = None,
+                   algorithm: HashAlgorithm = XXH3_128) -> Manifest:
+    """Parse and validate untrusted manifest bytes of a repository whose hash algorithm is
+    `algorithm` (the manifest must name the same). Raises FormatError on anything wrong."""
     with gc_paused():
-        return _parse_manifest(data, expected_name)
+        return _parse_manifest(data, expected_name, algorithm)
 
 
-def _parse_manifest(data: bytes, expected_name: str | None) -> Manifest:
+def _parse_manifest(data: bytes, expected_name: str | None,
+                    algorithm: HashAlgorithm) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes")
     sealed = is_sealed(data)
     if sealed:  # checked on the raw bytes, before anything is parsed
-        check_seal(data, "manifest")
+        check_seal(data, "manifest", algorithm.digest)
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -655,8 +666,9 @@ def _parse_manifest(data: bytes, expected_name: str | None) -> Manifest:
     if (version >= 2) != sealed or (version < 2 and SEAL_FIELD in d):
         raise FormatError(f"manifest version {version} must {'' if version >= 2 else 'not '}"
                           f"carry a {SEAL_FIELD}")
-    if d["hash"] != HASH_NAME:
-        raise FormatError(f"unsupported hash {d['hash']!r:.40}")
+    if d["hash"] != algorithm.name:
+        raise FormatError(f"manifest hash {d['hash']!r:.40} differs from the repository's "
+                          f"{algorithm.name!r}")
     try:
         name = validate_name(d["name"])
         parent = None if d["parent"] is None else validate_name(d["parent"])
@@ -675,7 +687,7 @@ def _parse_manifest(data: bytes, expected_name: str | None) -> Manifest:
     except RecursionError:
         raise FormatError("state tree nested too deeply") from None
     return Manifest(name=name, created=float(created), metadata=d["metadata"], tree=d["tree"],
-                    tensors=tensors, parent=parent, version=version)
+                    tensors=tensors, parent=parent, version=version, hash=algorithm.name)
 
 
 def _reject_constant(name: str) -> Any:
@@ -690,7 +702,7 @@ def committed_manifest(manifest: Manifest, data: bytes, expected_name: str) -> M
     if `data` is invalid). Saves the re-parse of a manifest just written."""
     if len(data) <= MAX_MANIFEST_BYTES and parses_back_equal(manifest, expected_name):
         return manifest
-    return parse_manifest(data, expected_name)
+    return parse_manifest(data, expected_name, hash_algorithm(manifest.hash))
 
 
 def parses_back_equal(m: Manifest, expected_name: str | None = None) -> bool:
@@ -703,6 +715,7 @@ def parses_back_equal(m: Manifest, expected_name: str | None = None) -> bool:
             or type(m.name) is not str or (m.parent is not None and type(m.parent) is not str)
             or type(m.created) is not float or not 0 <= m.created < 1e11
             or type(m.metadata) is not dict or type(m.tensors) is not tuple
+            or type(m.hash) is not str or m.hash not in ALGORITHMS
             or (expected_name is not None and m.name != expected_name)):
         return False
     try:

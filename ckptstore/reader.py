@@ -20,7 +20,7 @@ import numpy as np
 
 from .budget import ByteBudget
 from .errors import IntegrityError, ObjectNotFoundError
-from .hashing import blob_key, digest
+from .hashing import XXH3_128, HashAlgorithm, blob_key
 from .manifest import ChunkRef, TensorEntry
 from .stores.base import Store
 
@@ -39,6 +39,7 @@ def default_load_workers() -> int:
 class LoadOptions:
     workers: int = field(default_factory=default_load_workers)
     max_inflight_bytes: int = 512 * MiB
+    hash: HashAlgorithm = XXH3_128  # the repository's: every chunk is checked with it
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.max_inflight_bytes < 1:
@@ -138,8 +139,11 @@ class CheckpointReader:
         """Read blob bytes [start, start+len(out)) into `out`; with `want_digest`, return the
         digest of those bytes (hashed by the store while reading where it can)."""
         try:
-            if want_digest:
+            if want_digest and self.options.hash is XXH3_128:  # hashed while read, in cache
                 found: str | None = self.store.read_into_digest(blob_key(blob), start, out)
+            elif want_digest:
+                self.store.read_into(blob_key(blob), start, out)
+                found = self.options.hash.digest(out)
             else:
                 self.store.read_into(blob_key(blob), start, out)
                 found = None
@@ -170,7 +174,8 @@ class CheckpointReader:
                                      "(stored bytes do not match their digest)")
             e.codec.decode_into(stored, dest, e.dtype.itemsize,
                                 f"tensor {e.key!r}: blob {c.blob}")
-        _check(p, dest)
+        if self.options.hash.digest(dest) != c.digest:
+            raise _bad(p)
 
     def _read_run(self, blob: str, run: list[_Piece], budget: ByteBudget) -> None:
         if len(run) == 1:
@@ -187,7 +192,7 @@ class CheckpointReader:
             for p in run:
                 a = p.chunk.offset - lo
                 part = span[a : a + p.chunk.size]
-                if digest(part) != p.chunk.digest:
+                if self.options.hash.digest(part) != p.chunk.digest:
                     raise _bad(p)
                 p.dest[:] = np.frombuffer(part, np.uint8)
 
@@ -197,11 +202,6 @@ def _scratch(nbytes: int) -> memoryview:
     the read fills them, so a manifest that declares more bytes than the blob holds costs the
     blob's real size, not the declared one, before the short read is reported."""
     return memoryview(np.empty(nbytes, np.uint8)).cast("B")
-
-
-def _check(p: _Piece, data: memoryview) -> None:
-    if digest(data) != p.chunk.digest:
-        raise _bad(p)
 
 
 def _bad(p: _Piece) -> IntegrityError:

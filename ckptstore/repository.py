@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import leases, maintenance
@@ -33,7 +33,7 @@ from .errors import (
     StoreError,
     UnsupportedTypeError,
 )
-from .hashing import HASH_NAME, blob_key
+from .hashing import HASH_NAME, HashAlgorithm, blob_key, hash_algorithm
 from .loading import load_state
 from .manifest import (
     MAX_MANIFEST_BYTES,
@@ -144,12 +144,18 @@ class CheckpointStore:
 
     `workers` sets the threads of saves and restores alike; by default a save uses 8 and a
     restore `reader.default_load_workers()` (two per core, 4 to 8).
+
+    `hash` chooses, when the repository is created, how chunks are named: "xxh3-128" (the
+    default; detects accidents) or "sha256-128" (a writer without the manifest cannot forge
+    a chunk; about 1 GB/s per core, see hashing.py). An existing repository keeps its own;
+    asking for another is an error.
     """
 
     def __init__(self, uri: str | os.PathLike[str] | Store, *, create: bool = True,
                  chunk_bytes: int | None = None,
                  compression: str | Codec | None = None, workers: int | None = None,
-                 max_inflight_bytes: int | None = None, **store_options: Any) -> None:
+                 max_inflight_bytes: int | None = None, hash: str | None = None,
+                 **store_options: Any) -> None:
         if not isinstance(uri, Store) and not create and not str(uri).startswith("memory://"):
             store_options.setdefault("create", False)  # a typo must not make a folder/bucket
         try:
@@ -168,7 +174,13 @@ class CheckpointStore:
         self.load_options = LoadOptions(
             workers=load_defaults.workers if workers is None else workers,
             max_inflight_bytes=max_inflight_bytes or load_defaults.max_inflight_bytes)
-        self._check_marker(create)
+        algorithm = self._check_marker(create, hash_algorithm(hash or HASH_NAME))
+        if hash is not None and hash != algorithm.name:
+            raise FormatError(f"repository {self.uri} names chunks with {algorithm.name}, "
+                              f"not {hash}; a repository keeps the hash it was created with")
+        self.hash = algorithm
+        self.save_options = replace(self.save_options, hash=algorithm)
+        self.load_options = replace(self.load_options, hash=algorithm)
         self._known = KnownChunks()
         self._manifests: dict[str, Manifest] = {}
         self._cache_lock = threading.Lock()
@@ -179,7 +191,8 @@ class CheckpointStore:
         self._not_before = 0.0  # set by each save's _prepare (see CheckpointWriter.not_before)
 
     # ------------------------------------------------------------------ marker
-    def _check_marker(self, create: bool) -> None:
+    def _check_marker(self, create: bool, algorithm: HashAlgorithm) -> HashAlgorithm:
+        """Read (or, with `create`, write) the repository marker; returns its hash algorithm."""
         try:
             raw = self.store.get(MARKER_KEY)
         except ObjectNotFoundError:
@@ -187,8 +200,9 @@ class CheckpointStore:
                 raise RepositoryNotFoundError(
                     f"no ckptstore repository at {self.uri} (missing {MARKER_KEY})") from None
             try:
-                self.store.create(MARKER_KEY, canonical_json(_MARKER))
-                return
+                self.store.create(MARKER_KEY, canonical_json({**_MARKER,
+                                                              "hash": algorithm.name}))
+                return algorithm
             except ObjectExistsError:
                 raw = self.store.get(MARKER_KEY)
         try:
@@ -200,8 +214,10 @@ class CheckpointStore:
         if doc.get("version") != REPO_VERSION:
             raise FormatError(f"repository {self.uri} has format version {doc.get('version')!r};"
                               f" this ckptstore reads version {REPO_VERSION}")
-        if doc.get("hash") != HASH_NAME:
-            raise FormatError(f"repository {self.uri} uses hash {doc.get('hash')!r}")
+        try:
+            return hash_algorithm(doc.get("hash"))
+        except FormatError as exc:
+            raise FormatError(f"repository {self.uri}: {exc}") from None
 
     # ------------------------------------------------------------------ manifests
     def manifest(self, name: str) -> Manifest:
@@ -225,7 +241,7 @@ class CheckpointStore:
         except ObjectNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.uri}") from None
         try:
-            manifest = parse_manifest(raw, expected_name=name)
+            manifest = parse_manifest(raw, name, self.hash)
         except FormatError as exc:
             raise FormatError(f"checkpoint {name!r} in {self.uri}: {exc}") from None
         with self._cache_lock:
@@ -396,8 +412,6 @@ class CheckpointStore:
     def _options(self, compression: str | Codec | None | type[...]) -> SaveOptions:
         if compression is ...:
             return self.save_options
-        from dataclasses import replace
-
         return replace(self.save_options, compression=codec_option(compression))  # type: ignore[arg-type]
 
     def _write(self, name: str, tree: Any, leaves: list, metadata: dict[str, Any],

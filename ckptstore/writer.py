@@ -33,7 +33,7 @@ from .errors import (
     ObjectExistsError,
     UnsupportedTypeError,
 )
-from .hashing import blob_key, digest
+from .hashing import XXH3_128, HashAlgorithm, blob_key
 from .manifest import ChunkRef, Manifest, StorageRef, TensorEntry, expected_chunk_count
 from .stores.base import Store
 from .tree import ArrayLeaf
@@ -52,6 +52,7 @@ class SaveOptions:
     compression: Codec | None = None
     workers: int = 8
     max_inflight_bytes: int = 512 * MiB
+    hash: HashAlgorithm = XXH3_128  # the repository's: names every chunk
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1 or self.pack_threshold < 0 or self.workers < 1:
@@ -228,7 +229,7 @@ class CheckpointWriter:
                     block = np.ascontiguousarray(block)
             raw = _flat_bytes(block)
             with self.stats.timed("hash"):
-                raw_digest = digest(raw)
+                raw_digest = self.options.hash.digest(raw)
             ref = self.known.find(raw_digest, len(raw), codec)
             if ref is not None:
                 self.stats.count(reused=len(raw))
@@ -242,7 +243,7 @@ class CheckpointWriter:
                     with self.stats.timed("compress"):
                         stored = codec.encode(raw, leaf.dtype.itemsize)
                     with self.stats.timed("hash"):
-                        stored_digest = digest(stored)
+                        stored_digest = self.options.hash.digest(stored)
                     ref = ChunkRef(stored_digest, 0, len(stored), len(raw), raw_digest)
                     wrote = self._put_blob(stored_digest, stored)
                     self.stats.count(written=len(stored) if wrote else 0,
@@ -259,7 +260,7 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         for index, leaf in members:
             raw = _flat_bytes(np.ascontiguousarray(leaf.array))
-            d = digest(raw)
+            d = self.options.hash.digest(raw)
             ref = self.known.find(d, len(raw), None)
             if ref is not None:
                 refs[index] = ref
@@ -281,7 +282,7 @@ class CheckpointWriter:
                     offsets.append(pos)
                     pos += len(raw)
             with self.stats.timed("hash"):
-                pack_digest = digest(pack)
+                pack_digest = self.options.hash.digest(pack)
             wrote = self._put_blob(pack_digest, pack)
             self.stats.count(written=total if wrote else 0, reused=0 if wrote else total)
         new_refs = [(index, ChunkRef(pack_digest, off, len(raw), len(raw), d))
@@ -359,7 +360,8 @@ class CheckpointWriter:
         entries = build_entries(specs, plans, refs, self.options.compression,
                                 storage_refs(leaves))
         manifest = Manifest(name=name, created=self.creation_time(), metadata=metadata,
-                            tree=tree, tensors=entries, parent=parent)
+                            tree=tree, tensors=entries, parent=parent,
+                            hash=self.options.hash.name)
         self.commit(manifest, manifest_key)
         return manifest
 

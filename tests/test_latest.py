@@ -38,9 +38,9 @@ def test_latest_parses_only_the_newest_manifest(store_uri, store_options, monkey
     fresh = _repo(store_uri, store_options)
     parsed = []
 
-    def counting_parse(data, expected_name=None):
+    def counting_parse(data, expected_name=None, *args):
         parsed.append(expected_name)
-        return manifest_mod.parse_manifest(data, expected_name)
+        return manifest_mod.parse_manifest(data, expected_name, *args)
 
     monkeypatch.setattr("ckptstore.repository.parse_manifest", counting_parse)
     assert fresh.latest() == "mid"
