@@ -18,9 +18,16 @@ from ckptstore.stores import Store, open_store
 
 from .cache import ChunkCache
 from .errors import DatasetNotFoundError
-from .format import INDEX_KEY, DatasetIndex, FieldInfo
+from .format import (
+    INDEX_KEY,
+    INT64_MAX,
+    FieldInfo,
+    check_int,
+    check_zarr_metadata,
+    load_index,
+)
 from .metrics import Metrics
-from .order import BALANCE, EpochOrder, Piece, advance, rank_plan
+from .order import BALANCE, MAX_WORLD_SIZE, EpochOrder, Piece, advance, rank_plan
 from .pipeline import Executors, iter_windows
 from .reader import BlockReader
 from .state import Progress, fresh, from_state, to_state
@@ -90,25 +97,25 @@ class StreamingDataset:
         batch_size: int = 1,
         store_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        seed = check_int(seed, "seed", 0, None, ValueError)
         if balance not in BALANCE:
             raise ValueError(f"balance must be one of {BALANCE}, got {balance!r}")
         if (rank is None) != (world_size is None):
             raise ValueError("give both rank and world_size, or neither")
-        if world_size is not None and not 0 <= int(rank or 0) < world_size:
-            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if world_size is not None:
+            world_size = check_int(world_size, "world_size", 1, MAX_WORLD_SIZE, ValueError)
+            rank = check_int(rank, "rank", 0, world_size - 1, ValueError)
         self.uri = uri if isinstance(uri, str) else uri.uri
         self.store = open_store(uri, **dict(store_options or {}))
         try:
-            raw = self.store.get(INDEX_KEY)
+            self.index = load_index(self.store)
         except ObjectNotFoundError:
             raise DatasetNotFoundError(
                 f"{self.store.uri}: no dataset here ({INDEX_KEY} is missing;"
                 " was the write finished?)"
             ) from None
-        self.index = DatasetIndex.from_bytes(raw, f"{self.store.uri}/{INDEX_KEY}")
         self.fields: tuple[FieldInfo, ...] = self._select_fields(fields)
+        check_zarr_metadata(self.store, self.index, sorted(self._array_paths()))
         self.shuffle, self.seed = bool(shuffle), seed
         self.balance = balance
         self._rank, self._world = rank, world_size
@@ -147,6 +154,10 @@ class StreamingDataset:
             return self.index.fields
         return tuple(self.index.field(n) for n in names)
 
+    def _array_paths(self) -> set[str]:
+        """The arrays the selected fields read (the only ones ever fetched)."""
+        return {path for f in self.fields for path in f.arrays.values()}
+
     # -- identity and order --------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
@@ -162,9 +173,7 @@ class StreamingDataset:
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next pass reads (a loaded state for another epoch is dropped)."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
-        self._epoch = epoch
+        self._epoch = check_int(epoch, "epoch", 0, INT64_MAX, ValueError)
         if self._resume is not None and self._resume.epoch != epoch:
             self._resume = None
 
@@ -283,10 +292,23 @@ class StreamingDataset:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a state of this dataset (any rank's; ranks run in lockstep). Raises
-        StateMismatchError for another dataset's state or other ordering options."""
-        progress = from_state(
-            dict(state), ("dataset", "loader"), self.fingerprint, self.order_options()
+        StateMismatchError for another dataset's state, other ordering options or any
+        malformed field; a refused state changes nothing."""
+        self.resume(self.check_state(state))
+
+    def check_state(self, state: Mapping[str, Any]) -> Progress:
+        """Validate `state` against this dataset and return the position it describes,
+        without changing anything (StateMismatchError naming the bad field)."""
+        return from_state(
+            state,
+            ("dataset", "loader"),
+            self.fingerprint,
+            self.order_options(),
+            lambda epoch: self.epoch_order(epoch).total,
         )
+
+    def resume(self, progress: Progress) -> None:
+        """Make the next pass start at `progress` (from `check_state`)."""
         self._resume = progress
         self._epoch = progress.epoch
         self._direct = None

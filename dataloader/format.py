@@ -17,6 +17,11 @@ bounds (``block_bounds``), so a reader needs no offsets from a neighbouring bloc
 The index records per shard its size, the digest of its shard-index tail, and the xxh3-128
 digest of every stored chunk. ``fingerprint`` = digest of the canonical JSON of everything
 else: two datasets with equal content have equal fingerprints. JSON only, never pickle.
+
+The index is untrusted input: `DatasetIndex.from_bytes` checks every field (exact key sets,
+exact int types, the dtypes and limits below, each array against its field) before anything
+is sized from it, and `load_index` refuses an object over MAX_INDEX_BYTES from its size alone.
+Every failure is a FormatError naming the field.
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+import reprlib
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import FormatError
-from ckptstore.hashing import HASH_NAME, check_digest, digest
+from ckptstore.errors import FormatError, ObjectNotFoundError
+from ckptstore.hashing import HASH_NAME, digest, is_digest
+from ckptstore.stores import Store
 
 FORMAT_NAME = "ckptstore.dataloader"
 FORMAT_VERSION = 1
@@ -40,12 +47,86 @@ COMPRESSORS = (None, "zstd")
 EMPTY = 2**64 - 1  # zarr's marker for an absent chunk in a shard index
 _FIELD_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 
+# -- limits (documented in docs/dataloader.md) -------------------------------------------
+INT64_MAX = 2**63 - 1
+#: A dataset.json larger than this is refused from its size alone, before it is read.
+MAX_INDEX_BYTES = 256 << 20
+#: Likewise for an array's zarr.json (a few hundred bytes in practice).
+MAX_ZARR_JSON_BYTES = 1 << 20
+#: Nesting depth of the free-form `metadata` object.
+MAX_METADATA_DEPTH = 32
+#: Dimensions of one sample of a field.
+MAX_NDIM = 32
+#: Samples per block (the writer's own default is at most 65,536).
+MAX_ROWS_PER_CHUNK = 1 << 20
+#: Decoded bytes of one chunk: bounds every buffer the reader sizes from the index.
+MAX_CHUNK_NBYTES = 1 << 30
+#: The dtypes a dataset may hold, spelled as the index spells them (little endian), mapped to
+#: their zarr v3 `data_type` names. Anything else, other byte orders included, is refused.
+DTYPES: dict[str, str] = {
+    np.dtype(name).newbyteorder("<").str: name
+    for name in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+}  # fmt: skip
+_OFFSETS_DTYPE = "<i8"  # offsets and shapes arrays
+_BYTES_DTYPE = "|u1"  # bytes and str fields
+_INDEX_KEYS = (
+    "format", "version", "hash", "num_samples", "rows_per_chunk", "fields", "arrays",
+    "metadata", "fingerprint",
+)  # fmt: skip
+
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlong = 3, 40, 40, 40
+_repr.maxlist = _repr.maxtuple = _repr.maxdict = 6
+
+
+def short_repr(value: object) -> str:
+    """repr() cut to a few dozen characters and three levels: safe for any hostile value."""
+    return _repr.repr(value)
+
+
+def is_int(value: object) -> bool:
+    """An exact integer (int or numpy integer): never a bool, a float or a numeric string."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def check_int(
+    value: object,
+    where: str,
+    lo: int = 0,
+    hi: int | None = INT64_MAX,
+    error: type[Exception] = FormatError,
+) -> int:
+    """`value` as an int if it is an exact int in [lo, hi] (hi None: unbounded), else
+    raise `error` naming `where`."""
+    if is_int(value):
+        v = int(value)  # type: ignore[call-overload]
+        if lo <= v and (hi is None or v <= hi):
+            return v
+    span = f">= {lo}" if hi is None else f"in [{lo}, {'2**63-1' if hi == INT64_MAX else hi}]"
+    raise error(f"{where}: expected an int {span}, got {short_repr(value)}")
+
+
+def json_depth(value: object, limit: int) -> int:
+    """Nesting depth of a parsed JSON value (0 for a scalar, 1 for a flat list or object),
+    measured level by level without recursion; stops counting past `limit`."""
+    depth, level = 0, [value]
+    while depth <= limit:
+        containers = [v for v in level if isinstance(v, dict | list)]
+        if not containers:
+            break
+        depth += 1
+        level = [x for c in containers for x in (c.values() if isinstance(c, dict) else c)]
+    return depth
+
 
 def validate_field_name(name: object) -> str:
     """Return `name` if usable as a field (and store key part), else raise ValueError."""
     if not isinstance(name, str) or _FIELD_RE.fullmatch(name) is None:
         raise ValueError(
-            f"invalid field name {name!r}: use 1-64 characters [A-Za-z0-9_-],"
+            f"invalid field name {short_repr(name)}: use 1-64 characters [A-Za-z0-9_-],"
             " starting with a letter"
         )
     return name
@@ -53,6 +134,63 @@ def validate_field_name(name: object) -> str:
 
 def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def parse_json(raw: bytes | bytearray | memoryview, where: str) -> Any:
+    """Parse untrusted JSON bytes (UTF-8, finite numbers only); FormatError on anything
+    malformed, nested too deeply for the parser included."""
+    try:
+        text = str(raw, "utf-8")
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise FormatError(f"{where}: JSON nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is not a finite number")
+    return value
+
+
+def read_capped(store: Store, key: str, limit: int, where: str) -> bytearray:
+    """The whole object `key`, refused with FormatError from its size (`stat`) alone if it
+    is over `limit` bytes; the read is bounded by that size even if the object grows."""
+    size = store.stat(key).size
+    if size > limit:
+        raise FormatError(
+            f"{where}: object of {size:,} bytes, larger than the {limit:,}-byte limit "
+            "(refused without reading it)"
+        )
+    buf = bytearray(size)
+    if size:
+        store.read_into(key, 0, memoryview(buf))
+    return buf
+
+
+def load_index(store: Store) -> DatasetIndex:
+    """Read and validate the store's dataset.json (ObjectNotFoundError if it is missing)."""
+    where = f"{store.uri}/{INDEX_KEY}"
+    return DatasetIndex.from_bytes(read_capped(store, INDEX_KEY, MAX_INDEX_BYTES, where), where)
+
+
+def check_zarr_metadata(store: Store, index: DatasetIndex, paths: list[str]) -> None:
+    """Check that the zarr metadata (``<path>/zarr.json``) of each array agrees with the
+    index: a forged index must not make the reader reinterpret stored bytes."""
+    for path in paths:
+        key = f"{path}/zarr.json"
+        where = f"{store.uri}/{key}"
+        try:
+            raw = read_capped(store, key, MAX_ZARR_JSON_BYTES, where)
+        except ObjectNotFoundError:
+            raise FormatError(f"{where}: missing (the dataset is incomplete)") from None
+        index.arrays[path].check_zarr(parse_json(raw, where), where)
 
 
 @dataclass(frozen=True)
@@ -68,12 +206,12 @@ class ShardInfo:
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> ShardInfo:
-        _need(d, dict, where)
+        _keys(d, where, ("nbytes", "index", "chunks"))
         chunks = tuple(
-            None if c is None else check_digest(c, f"{where}.chunks")
-            for c in _get(d, "chunks", list, where)
+            None if c is None else _digest(c, f"{where}.chunks[{i}]")
+            for i, c in enumerate(_get(d, "chunks", list, where))
         )
-        return cls(_int(d, "nbytes", where), check_digest(d.get("index"), f"{where}.index"), chunks)
+        return cls(_int(d, "nbytes", where), _digest(d["index"], f"{where}.index"), chunks)
 
 
 @dataclass(frozen=True)
@@ -96,6 +234,13 @@ class ArrayInfo:
     def chunk_nbytes(self) -> int:
         """Decoded size of one chunk (every chunk is stored at full size, the last padded)."""
         return math.prod(self.chunk_shape) * self.np_dtype.itemsize
+
+    @property
+    def max_stored_nbytes(self) -> int:
+        """Largest stored (encoded) size a chunk can have: exact when raw, zstd's bound (with
+        room to spare) when compressed."""
+        n = self.chunk_nbytes
+        return n if self.compressor is None else n + (n >> 7) + 4096
 
     @property
     def num_chunks(self) -> int:
@@ -128,29 +273,111 @@ class ArrayInfo:
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> ArrayInfo:
-        _need(d, dict, where)
-        info = cls(
+        keys = ("path", "dtype", "shape", "chunk_shape", "chunks_per_shard", "compressor")
+        _keys(d, where, (*keys, "shards"))
+        shape = _ints(d, "shape", where, 0, 1, MAX_NDIM + 1)
+        chunk_shape = _ints(d, "chunk_shape", where, 1, len(shape), len(shape))
+        compressor = d["compressor"]
+        if compressor not in COMPRESSORS:
+            raise FormatError(f"{where}.compressor: unknown compressor {short_repr(compressor)}")
+        head = cls(
             path=_get(d, "path", str, where),
-            dtype=_dtype(d.get("dtype"), where),
-            shape=tuple(_ints(d, "shape", where)),
-            chunk_shape=tuple(_ints(d, "chunk_shape", where)),
-            chunks_per_shard=_int(d, "chunks_per_shard", where),
-            compressor=d.get("compressor"),
-            shards=tuple(
-                ShardInfo.from_json(s, f"{where}.shards[{i}]")
-                for i, s in enumerate(_get(d, "shards", list, where))
-            ),
+            dtype=_dtype(d["dtype"], f"{where}.dtype"),
+            shape=tuple(shape),
+            chunk_shape=tuple(chunk_shape),
+            chunks_per_shard=check_int(d["chunks_per_shard"], f"{where}.chunks_per_shard", 1),
+            compressor=compressor,
+            shards=(),
         )
-        if info.compressor not in COMPRESSORS:
-            raise FormatError(f"{where}: unknown compressor {info.compressor!r}")
-        if len(info.chunk_shape) != len(info.shape) or info.chunks_per_shard < 1:
-            raise FormatError(f"{where}: inconsistent chunk shape or shard size")
-        want = -(-info.num_chunks // info.chunks_per_shard)
-        if len(info.shards) != want or any(
-            len(s.chunks) != info.chunks_per_shard for s in info.shards
-        ):
-            raise FormatError(f"{where}: expected {want} shards of {info.chunks_per_shard} chunks")
+        if head.chunk_nbytes > MAX_CHUNK_NBYTES:
+            raise FormatError(
+                f"{where}.chunk_shape: chunks of {head.chunk_nbytes:,} bytes, over the "
+                f"{MAX_CHUNK_NBYTES:,}-byte limit"
+            )
+        raw_shards = _get(d, "shards", list, where)
+        want = -(-head.num_chunks // head.chunks_per_shard)
+        if len(raw_shards) != want:
+            raise FormatError(f"{where}.shards: expected {want} shards, got {len(raw_shards)}")
+        shards = tuple(
+            ShardInfo.from_json(s, f"{where}.shards[{i}]") for i, s in enumerate(raw_shards)
+        )
+        info = replace(head, shards=shards)
+        info._check_shards(where)
         return info
+
+    def _check_shards(self, where: str) -> None:
+        """Each shard lists chunks_per_shard chunks: a digest for every chunk inside the
+        shape (the writer stores them all), None past it; its size fits what it holds."""
+        per, n = self.chunks_per_shard, self.num_chunks
+        low, high = self.index_nbytes, per * self.max_stored_nbytes + self.index_nbytes
+        for s, shard in enumerate(self.shards):
+            at = f"{where}.shards[{s}]"
+            if len(shard.chunks) != per:
+                raise FormatError(f"{at}.chunks: expected {per} chunks, got {len(shard.chunks)}")
+            inside = min(per, n - s * per)  # chunks of this shard inside the array's shape
+            if None in shard.chunks[:inside]:
+                i = shard.chunks.index(None)
+                raise FormatError(f"{at}.chunks[{i}]: chunk {s * per + i} is recorded as absent")
+            if any(c is not None for c in shard.chunks[inside:]):
+                i = next(i for i in range(inside, per) if shard.chunks[i] is not None)
+                raise FormatError(
+                    f"{at}.chunks[{i}]: chunk {s * per + i} is listed outside the shape"
+                )
+            if not low <= shard.nbytes <= high:
+                raise FormatError(
+                    f"{at}.nbytes: {shard.nbytes:,} bytes cannot hold {per} chunks of at most "
+                    f"{self.max_stored_nbytes:,} bytes and a {low}-byte index"
+                )
+
+    def check_zarr(self, z: Any, where: str) -> None:
+        """Compare this array with its parsed zarr.json (as zarr-python writes it for the
+        dataloader: a regular grid of shards, little-endian bytes, optional zstd)."""
+        _need(z, dict, where)
+        item = np.dtype(self.dtype).itemsize
+        endian = [{"name": "bytes", "configuration": {"endian": "little"}}]
+        inner_bytes = endian + [{"name": "bytes"}] if item == 1 else endian
+        shard = [self.chunk_shape[0] * self.chunks_per_shard, *self.chunk_shape[1:]]
+        want: dict[str, Any] = {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(self.shape),
+            "data_type": DTYPES[self.dtype],
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": shard}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        }
+        for key, value in want.items():
+            if not _same_json(z.get(key), value):
+                raise FormatError(
+                    f"{where}: {key} is {short_repr(z.get(key))}, the index says {value!r}"
+                )
+        if z.get("storage_transformers", []) != []:
+            raise FormatError(f"{where}: storage_transformers are not supported")
+        codecs = z.get("codecs")
+        if not (isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)):
+            raise FormatError(f"{where}: codecs must be one sharding_indexed codec")
+        conf = codecs[0].get("configuration")
+        if codecs[0].get("name") != "sharding_indexed" or not isinstance(conf, dict):
+            raise FormatError(f"{where}: codecs must be one sharding_indexed codec")
+        if not _same_json(conf.get("chunk_shape"), list(self.chunk_shape)):
+            raise FormatError(
+                f"{where}: chunk_shape is {short_repr(conf.get('chunk_shape'))}, the index says "
+                f"{list(self.chunk_shape)}"
+            )
+        inner = conf.get("codecs")
+        if not isinstance(inner, list) or not inner or inner[0] not in inner_bytes:
+            raise FormatError(
+                f"{where}: chunks are not stored as little-endian bytes (the endian of every "
+                f"chunk must be 'little'; got codecs {short_repr(inner)})"
+            )
+        names = [c.get("name") if isinstance(c, dict) else c for c in inner[1:]]
+        if names != ([] if self.compressor is None else [self.compressor]):
+            raise FormatError(
+                f"{where}: codecs after 'bytes' are {short_repr(names)}, the index says "
+                f"compressor {self.compressor!r}"
+            )
+        index_codecs = [*endian, {"name": "crc32c"}]
+        if conf.get("index_location") != "end" or conf.get("index_codecs") != index_codecs:
+            raise FormatError(f"{where}: the shard index must be little-endian + crc32c at the end")
 
 
 @dataclass(frozen=True)
@@ -186,29 +413,64 @@ class FieldInfo:
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> FieldInfo:
-        _need(d, dict, where)
-        kind = _get(d, "kind", str, where)
-        if kind not in KINDS:
-            raise FormatError(f"{where}: unknown field kind {kind!r}")
+        _keys(d, where, ("name", "kind", "dtype", "ndim", "arrays"), ("shape", "block_bounds"))
+        try:
+            name = validate_field_name(d["name"])
+        except ValueError as exc:
+            raise FormatError(f"{where}.name: {exc}") from None
+        where = f"{where} (field {name!r})"
+        kind = d["kind"]
+        if not isinstance(kind, str) or kind not in KINDS:
+            raise FormatError(f"{where}.kind: unknown field kind {short_repr(kind)}")
+        dtype = _dtype(d["dtype"], f"{where}.dtype")
+        ndim = check_int(d["ndim"], f"{where}.ndim", 0, MAX_NDIM)
+        want_ndim = {"scalar": (0, 0), "bytes": (1, 1), "str": (1, 1)}.get(kind, (1, MAX_NDIM))
+        if not want_ndim[0] <= ndim <= want_ndim[1]:
+            raise FormatError(f"{where}.ndim: {ndim} is not valid for a {kind} field")
+        if kind in ("bytes", "str") and dtype != _BYTES_DTYPE:
+            raise FormatError(f"{where}.dtype: a {kind} field holds {_BYTES_DTYPE}, not {dtype}")
+        if ("shape" in d) != (kind == "fixed"):
+            raise FormatError(f"{where}: 'shape' is given for fixed fields, and only for them")
+        if ("block_bounds" in d) != (kind in ("ragged", "bytes", "str")):
+            raise FormatError(
+                f"{where}: 'block_bounds' is given for variable-length fields, and only for them"
+            )
+        shape = _ints(d, "shape", where, 1, 1, MAX_NDIM) if kind == "fixed" else None
+        if shape is not None and len(shape) != ndim:
+            raise FormatError(f"{where}.ndim: {ndim}, but 'shape' has {len(shape)} dimensions")
+        bounds = _ints(d, "block_bounds", where, 0, 1) if "block_bounds" in d else None
         arrays = _get(d, "arrays", dict, where)
-        roles = {"values"} if kind in ("scalar", "fixed") else {"data", "offsets"}
-        if not roles <= set(arrays) or not all(isinstance(v, str) for v in arrays.values()):
-            raise FormatError(f"{where}: arrays must name {sorted(roles)}")
-        shape = tuple(_ints(d, "shape", where)) if "shape" in d else None
-        bounds = tuple(_ints(d, "block_bounds", where)) if "block_bounds" in d else None
-        if kind == "fixed" and shape is None:
-            raise FormatError(f"{where}: a fixed field needs 'shape'")
-        if kind in ("ragged", "bytes", "str") and bounds is None:
-            raise FormatError(f"{where}: a variable-length field needs 'block_bounds'")
+        want = _array_paths(name, kind, ndim)
+        if arrays != want:
+            raise FormatError(
+                f"{where}.arrays: expected {want}, got {short_repr(arrays)} (array path "
+                "and role names are fixed by the layout)"
+            )
         return cls(
-            name=validate_field_name(_get(d, "name", str, where)),
+            name=name,
             kind=kind,
-            dtype=_dtype(d.get("dtype"), where),
-            shape=shape,
-            ndim=_int(d, "ndim", where),
+            dtype=dtype,
+            shape=None if shape is None else tuple(shape),
+            ndim=ndim,
             arrays=dict(arrays),
-            block_bounds=bounds,
+            block_bounds=None if bounds is None else tuple(bounds),
         )
+
+    def array_layout(self, n: int, rows_per_chunk: int) -> dict[str, tuple[Any, ...]]:
+        """role -> (dtype, shape, chunk_shape) the field's arrays must have for n samples in
+        blocks of rows_per_chunk (None: not fixed by the field; the data array's length and
+        chunking are checked against block_bounds instead)."""
+        r = rows_per_chunk
+        if not self.variable:
+            inner = self.shape or ()
+            return {"values": (self.dtype, (n, *inner), (r, *inner))}
+        out: dict[str, tuple[Any, ...]] = {
+            "data": (self.dtype, None, None),
+            "offsets": (_OFFSETS_DTYPE, (n + 1,), (r,)),
+        }
+        if "shapes" in self.arrays:
+            out["shapes"] = (_OFFSETS_DTYPE, (n, self.ndim), (r, self.ndim))
+        return out
 
 
 @dataclass(frozen=True)
@@ -277,58 +539,83 @@ class DatasetIndex:
         return digest(canonical_json(body))
 
     @classmethod
-    def from_bytes(cls, raw: bytes, where: str = INDEX_KEY) -> DatasetIndex:
-        try:
-            d = json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise FormatError(f"{where}: not valid JSON ({exc})") from None
-        _need(d, dict, where)
-        if d.get("format") != FORMAT_NAME:
-            raise FormatError(
-                f"{where}: not a dataloader dataset index (format={d.get('format')!r})"
-            )
-        if d.get("version") != FORMAT_VERSION:
-            raise FormatError(
-                f"{where}: unsupported version {d.get('version')!r} (want {FORMAT_VERSION})"
-            )
-        if d.get("hash") != HASH_NAME:
-            raise FormatError(f"{where}: unsupported hash {d.get('hash')!r}")
-        arrays = {
-            k: ArrayInfo.from_json(v, f"{where}.arrays.{k}")
-            for k, v in _get(d, "arrays", dict, where).items()
-        }
+    def from_bytes(
+        cls, raw: bytes | bytearray | memoryview, where: str = INDEX_KEY
+    ) -> DatasetIndex:
+        """Parse and validate untrusted index bytes; FormatError naming the field if any
+        check fails (structure and types, limits, fingerprint, then cross-references)."""
+        if len(raw) > MAX_INDEX_BYTES:
+            raise FormatError(f"{where}: larger than the {MAX_INDEX_BYTES:,}-byte limit")
+        d = parse_json(raw, where)
+        _keys(d, where, _INDEX_KEYS)
+        for key, want in (("format", FORMAT_NAME), ("version", FORMAT_VERSION)):
+            if not _same_json(d[key], want):
+                raise FormatError(
+                    f"{where}: {key} {short_repr(d[key])} is not supported (want {want!r}; "
+                    "is this a dataloader dataset index?)"
+                )
+        if d["hash"] != HASH_NAME:
+            raise FormatError(f"{where}: unsupported hash {short_repr(d['hash'])}")
+        metadata = _get(d, "metadata", dict, where)
+        if json_depth(metadata, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
+            raise FormatError(f"{where}.metadata: nested deeper than {MAX_METADATA_DEPTH} levels")
+        num_samples = _int(d, "num_samples", where)
+        rows_per_chunk = check_int(
+            d["rows_per_chunk"], f"{where}.rows_per_chunk", 1, MAX_ROWS_PER_CHUNK
+        )
+        arrays: dict[str, ArrayInfo] = {}
+        for k, v in _get(d, "arrays", dict, where).items():
+            at = f"{where}.arrays[{short_repr(k)}]"
+            arrays[k] = ArrayInfo.from_json(v, at)
+            if arrays[k].path != k:
+                raise FormatError(f"{at}.path: {short_repr(arrays[k].path)} differs from its key")
         fields = tuple(
             FieldInfo.from_json(f, f"{where}.fields[{i}]")
             for i, f in enumerate(_get(d, "fields", list, where))
         )
-        metadata = d.get("metadata", {})
-        _need(metadata, dict, f"{where}.metadata")
         idx = cls(
-            num_samples=_int(d, "num_samples", where),
-            rows_per_chunk=_int(d, "rows_per_chunk", where),
+            num_samples=num_samples,
+            rows_per_chunk=rows_per_chunk,
             fields=fields,
             arrays=arrays,
             metadata=metadata,
-            fingerprint=check_digest(d.get("fingerprint"), f"{where}.fingerprint"),
+            fingerprint=_digest(d["fingerprint"], f"{where}.fingerprint"),
         )
-        if idx.rows_per_chunk < 1:
-            raise FormatError(f"{where}: rows_per_chunk must be >= 1")
-        if cls.compute_fingerprint(idx.body()) != idx.fingerprint:
+        try:
+            fingerprint = cls.compute_fingerprint(idx.body())
+        except (ValueError, RecursionError) as exc:  # cannot happen after the checks above
+            raise FormatError(f"{where}: cannot compute the fingerprint ({exc})") from None
+        if fingerprint != idx.fingerprint:
             raise FormatError(f"{where}: fingerprint does not match the index content (corrupt?)")
         idx._check_consistency(where)
         return idx
 
     def _check_consistency(self, where: str) -> None:
-        n, nb = self.num_samples, self.num_blocks
+        """Cross-references: unique fields, each field's arrays present with the dtype, shape
+        and chunking the field implies, every array used, block_bounds matching the data."""
+        if not self.fields:
+            raise FormatError(f"{where}.fields: a dataset needs at least one field")
+        names = [f.name for f in self.fields]
+        if len(set(names)) != len(names):
+            raise FormatError(f"{where}.fields: duplicate field names in {short_repr(names)}")
+        n, nb, used = self.num_samples, self.num_blocks, set()
         for f in self.fields:
-            for role, path in f.arrays.items():
+            at = f"{where}: field {f.name!r}"
+            for role, (dtype, shape, chunks) in f.array_layout(n, self.rows_per_chunk).items():
+                path = f.arrays[role]
                 a = self.arrays.get(path)
                 if a is None:
-                    raise FormatError(f"{where}: field {f.name!r} names unknown array {path!r}")
-                if role != "data":
-                    rows = n + 1 if role == "offsets" else n
-                    if a.shape[0] != rows or a.chunk_shape[0] != self.rows_per_chunk:
-                        raise FormatError(f"{where}: array {path!r} has the wrong row count/chunks")
+                    raise FormatError(f"{at} names unknown array {path!r}")
+                used.add(path)
+                if a.dtype != dtype:
+                    raise FormatError(f"{at}: array {path!r} has dtype {a.dtype}, expected {dtype}")
+                if shape is None:
+                    shape, chunks = (a.shape[0],), (a.chunk_shape[0],)  # 1-D data array
+                if a.shape != shape or a.chunk_shape != chunks:
+                    raise FormatError(
+                        f"{at}: array {path!r} has shape {a.shape} in chunks {a.chunk_shape}, "
+                        f"expected {shape} in chunks {chunks} (rows must match num_samples)"
+                    )
             if f.block_bounds is not None:
                 b = f.block_bounds
                 data = self.arrays[f.arrays["data"]]
@@ -338,13 +625,35 @@ class DatasetIndex:
                     or b[-1] != data.shape[0]
                     or any(x > y for x, y in zip(b, b[1:], strict=False))
                 ):
-                    raise FormatError(f"{where}: field {f.name!r} has bad block_bounds")
+                    raise FormatError(f"{at} has bad block_bounds")
+        unused = sorted(set(self.arrays) - used)
+        if unused:
+            raise FormatError(f"{where}.arrays: {short_repr(unused)} not used by any field")
+
+
+def _array_paths(name: str, kind: str, ndim: int) -> dict[str, str]:
+    """role -> array path of a field, as the layout fixes them."""
+    if kind in ("scalar", "fixed"):
+        return {"values": name}
+    roles = ("data", "offsets", "shapes") if kind == "ragged" and ndim > 1 else ("data", "offsets")
+    return {role: f"{name}/{role}" for role in roles}
 
 
 # -- small JSON validation helpers -------------------------------------------------------
 def _need(value: Any, typ: type, where: str) -> None:
     if not isinstance(value, typ):
         raise FormatError(f"{where}: expected {typ.__name__}, got {type(value).__name__}")
+
+
+def _keys(d: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """`d` is a JSON object with every `required` key and nothing outside `optional`."""
+    _need(d, dict, where)
+    for key in required:
+        if key not in d:
+            raise FormatError(f"{where}: missing {key!r}")
+    unknown = [k for k in d if k not in required and k not in optional]
+    if unknown:
+        raise FormatError(f"{where}: unknown key {short_repr(unknown[0])}")
 
 
 def _get(d: dict, key: str, typ: type, where: str) -> Any:
@@ -355,24 +664,44 @@ def _get(d: dict, key: str, typ: type, where: str) -> Any:
 
 
 def _int(d: dict, key: str, where: str) -> int:
-    v = d.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise FormatError(f"{where}.{key}: expected a non-negative int, got {v!r}")
-    return v
+    return check_int(d.get(key), f"{where}.{key}")
 
 
-def _ints(d: dict, key: str, where: str) -> list[int]:
+def _ints(
+    d: dict, key: str, where: str, lo: int, min_len: int, max_len: int | None = None
+) -> list[int]:
+    """d[key]: a list of exact ints >= lo (each at most 2**63-1), of length in range."""
     v = _get(d, key, list, where)
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-        raise FormatError(f"{where}.{key}: expected a list of non-negative ints")
+    if len(v) < min_len or (max_len is not None and len(v) > max_len):
+        span = f"{min_len}..{max_len}" if max_len is not None else f">= {min_len}"
+        raise FormatError(f"{where}.{key}: expected {span} entries, got {len(v)}")
+    if not all(is_int(x) and lo <= x <= INT64_MAX for x in v):
+        bad = next(x for x in v if not (is_int(x) and lo <= x <= INT64_MAX))
+        raise FormatError(f"{where}.{key}: expected ints >= {lo}, got {short_repr(bad)}")
     return v
 
 
 def _dtype(v: Any, where: str) -> str:
-    try:
-        dt = np.dtype(v)
-    except TypeError:
-        raise FormatError(f"{where}: bad dtype {v!r}") from None
-    if dt.kind not in "biufc" or dt.hasobject:
-        raise FormatError(f"{where}: unsupported dtype {v!r}")
-    return dt.str
+    """One of DTYPES, spelled exactly (no byte-order variants, no numpy parsing)."""
+    if not isinstance(v, str) or v not in DTYPES:
+        raise FormatError(
+            f"{where}: unsupported dtype {short_repr(v)} (want one of {', '.join(DTYPES)})"
+        )
+    return v
+
+
+def _digest(v: Any, where: str) -> str:
+    if not is_digest(v):
+        raise FormatError(f"{where}: {short_repr(v)} is not an {HASH_NAME} hex digest")
+    return str(v)
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equality of JSON values that also tells bool from int and int from float."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    return bool(a == b)

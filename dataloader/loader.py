@@ -20,6 +20,7 @@ from typing import Any
 
 from .collate import Collate, resolve
 from .dataset import StreamingDataset
+from .format import check_int
 from .metrics import Metrics
 from .pipeline import BackgroundIterator, Executors, iter_batches, iter_windows, timed_batches
 from .state import Progress, fresh
@@ -43,10 +44,8 @@ class StreamingLoader:
         drop_last: bool = False,
         collate: Collate = "numpy",
     ) -> None:
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
         self.dataset = dataset
-        self.batch_size = int(batch_size)
+        self.batch_size = check_int(batch_size, "batch_size", 1, None, ValueError)
         self.num_workers = int(num_workers)
         self.prefetch_bytes = int(prefetch_bytes)
         self.prefetch_batches = int(prefetch_batches)

@@ -14,6 +14,7 @@ All sources must yield the same fields (names, kinds and shapes); batches get an
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -23,10 +24,11 @@ import numpy as np
 from .collate import Collate, resolve
 from .dataset import StreamingDataset
 from .errors import StateMismatchError
+from .format import INT64_MAX, check_int, is_int, short_repr
 from .metrics import Metrics
 from .order import rng_for
 from .pipeline import BackgroundIterator, Executors, iter_batches, iter_windows
-from .state import STATE_FORMAT, STATE_VERSION, Progress
+from .state import STATE_FORMAT, STATE_VERSION, Progress, check_header
 from .views import Batch, batch_len, merge_parts, slice_batch
 
 _TAG_MIX = 0x313C
@@ -141,11 +143,11 @@ class MixedLoader:
         names = [sorted(f.name for f in d.fields) for d in datasets]
         if any(n != names[0] for n in names) or len({type(d) for d in datasets}) != 1:
             raise ValueError(f"mixed datasets must have the same fields and mode, got {names}")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError("seed must be a non-negative int")
+        seed = check_int(seed, "seed", 0, None, ValueError)
         self.datasets = list(datasets)
         self.weights = (w / w.sum()).tolist()
-        self.batch_size, self.seed, self.stopping = int(batch_size), seed, stopping
+        self.batch_size = check_int(batch_size, "batch_size", 1, None, ValueError)
+        self.seed, self.stopping = seed, stopping
         self.drop_last = drop_last
         self._collate = resolve(collate)
         chunk = max(16, min(256, self.batch_size))
@@ -241,33 +243,53 @@ class MixedLoader:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if (
-            not isinstance(state, Mapping)
-            or state.get("format") != STATE_FORMAT
-            or state.get("kind") != "mixed"
-        ):
-            raise StateMismatchError("not a mixed-loader state")
-        if state.get("version") != STATE_VERSION:
+        """Resume from a mixed-loader state. Every field, each source's state included, is
+        checked before anything changes (StateMismatchError naming the field)."""
+        state = check_header(state, ("mixed",))
+        seed = state.get("seed")
+        if not is_int(seed) or seed != self.seed:
             raise StateMismatchError(
-                f"unsupported mixed-loader state version {state.get('version')!r}"
+                f"mixed-loader state was made with another seed ({short_repr(seed)})"
             )
-        if state.get("seed") != self.seed or not np.allclose(
-            state.get("weights", []), self.weights
-        ):
-            raise StateMismatchError(
-                "mixed-loader state was made with another seed or other weights"
-            )
+        self._check_weights(state.get("weights"))
+        position = check_int(
+            state.get("position"),
+            "mixed-loader state: 'position'",
+            0,
+            INT64_MAX,
+            StateMismatchError,
+        )
         sources = state.get("sources")
-        if not isinstance(sources, list) or len(sources) != len(self._sources):
-            raise StateMismatchError("mixed-loader state has another number of sources")
-        for s, st in zip(self._sources, sources, strict=True):
+        if not isinstance(sources, list | tuple) or len(sources) != len(self._sources):
+            raise StateMismatchError(
+                f"mixed-loader state: 'sources' must be a list of {len(self._sources)} states"
+            )
+        progress = []
+        for i, (s, st) in enumerate(zip(self._sources, sources, strict=True)):
+            try:
+                progress.append(s.ds.check_state(st))
+            except StateMismatchError as exc:
+                raise StateMismatchError(f"mixed-loader state, source {i}: {exc}") from None
+        for s, p in zip(self._sources, progress, strict=True):
             s.close()
-            s.ds.load_state_dict(st)
+            s.ds.resume(p)
             s.progress, s.taken, s.buffer, s.offset, s.exhausted = None, 0, [], 0, False
-        pos = state.get("position")
-        if not isinstance(pos, int) or pos < 0:
-            raise StateMismatchError("mixed-loader state: bad position")
-        self.position = pos
+        self.position = position
+
+    def _check_weights(self, weights: Any) -> None:
+        """A state's weights: one finite real number per source, equal to ours."""
+        ok = (
+            isinstance(weights, list | tuple)
+            and len(weights) == len(self.weights)
+            and all(
+                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+                for x in weights
+            )
+        )
+        if not ok or not np.allclose(weights, self.weights):
+            raise StateMismatchError(
+                f"mixed-loader state was made with other weights ({short_repr(weights)})"
+            )
 
     def stats(self) -> dict[str, Any]:
         return self.metrics.snapshot()

@@ -144,10 +144,11 @@ class BlockReader:
         a = self.index.arrays[path]
         shard, i = divmod(chunk, a.chunks_per_shard)
         off, n = (int(x) for x in self.shard_index(path, shard)[i])
-        if off == EMPTY or off + n > a.shards[shard].nbytes:
+        if off == EMPTY or off + n > a.shards[shard].nbytes or n > a.max_stored_nbytes:
             raise IntegrityError(
                 f"{self.store.uri}: shard index of {a.shard_key(shard)!r} gives no valid location "
-                f"for chunk {chunk} of array {path!r}"
+                f"for chunk {chunk} of array {path!r} ({n} bytes at offset {off}; a chunk is at "
+                f"most {a.max_stored_nbytes} bytes)"
             )
         return _Part(path, chunk, a.shard_key(shard), off, n, a.chunk_digest(chunk))
 

@@ -22,6 +22,7 @@ import numpy as np
 from ckptstore.stores import Store
 
 from .dataset import StreamingDataset
+from .format import INT64_MAX, check_int
 from .order import EpochOrder
 from .views import TokenView, finish_tokens
 
@@ -41,8 +42,9 @@ class TokenDataset(StreamingDataset):
         pad_id: int = 0,
         **options: Any,
     ) -> None:
-        if seq_len < 1:
-            raise ValueError("seq_len must be >= 1")
+        seq_len = check_int(seq_len, "seq_len", 1, INT64_MAX, ValueError)
+        if not isinstance(pad_id, int | np.integer) or isinstance(pad_id, bool):
+            raise ValueError(f"pad_id: expected an int, got {pad_id!r:.40}")
         if remainder not in ("drop", "pad"):
             raise ValueError(f"remainder must be 'drop' or 'pad', got {remainder!r}")
         if "fields" in options:
@@ -59,7 +61,10 @@ class TokenDataset(StreamingDataset):
                 f"field {field!r} ({f.kind}, {f.dtype}, ndim {f.ndim}) is not a 1-D"
                 " integer token field"
             )
-        self.seq_len, self.token_field = int(seq_len), field
+        info = np.iinfo(np.dtype(f.dtype))
+        if not info.min <= pad_id <= info.max:
+            raise ValueError(f"pad_id {pad_id} does not fit the {f.dtype} tokens of {field!r}")
+        self.seq_len, self.token_field = seq_len, field
         self.remainder, self.pad_id = remainder, int(pad_id)
         rows = self.index.block_rows()
         if f.kind == "fixed":

@@ -28,10 +28,18 @@ from .format import (
     EMPTY,
     INDEX_KEY,
     KINDS,
+    MAX_CHUNK_NBYTES,
+    MAX_INDEX_BYTES,
+    MAX_METADATA_DEPTH,
+    MAX_NDIM,
+    MAX_ROWS_PER_CHUNK,
     ArrayInfo,
     DatasetIndex,
     FieldInfo,
     ShardInfo,
+    check_int,
+    json_depth,
+    load_index,
     validate_field_name,
 )
 from .zarr_adapter import ZarrStoreAdapter
@@ -81,6 +89,12 @@ def _infer(i: int, name: str, value: Any, declared: str | None) -> _Spec:
     if isinstance(value, np.ndarray):
         _check_dtype(i, name, value.dtype)
         kind = declared or "ragged"
+        if value.ndim > MAX_NDIM:
+            raise _bad(i, name, f"{value.ndim} dimensions (at most {MAX_NDIM})", ValueError)
+        if kind == "fixed" and 0 in value.shape:
+            raise _bad(
+                i, name, f"fixed shape {value.shape} is empty (declare it 'ragged')", ValueError
+            )
         if kind == "fixed":
             return _Spec(name, "fixed", value.dtype, tuple(value.shape), value.ndim)
         if kind == "ragged":
@@ -285,8 +299,10 @@ class DatasetWriter:
     ) -> None:
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
-        if rows_per_chunk is not None and rows_per_chunk < 1:
-            raise ValueError("rows_per_chunk must be >= 1")
+        if rows_per_chunk is not None:
+            check_int(rows_per_chunk, "rows_per_chunk", 1, MAX_ROWS_PER_CHUNK, ValueError)
+        if json_depth(metadata or {}, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
+            raise ValueError(f"metadata nested deeper than {MAX_METADATA_DEPTH} levels")
         self.store = open_store(uri, **dict(store_options or {}))
         self._owns_store = not isinstance(uri, Store)
         self.schema = {validate_field_name(k): v for k, v in (schema or {}).items()}
@@ -320,8 +336,7 @@ class DatasetWriter:
                 " (pass overwrite=True to replace it)"
             )
         try:
-            old = DatasetIndex.from_bytes(self.store.get(INDEX_KEY))
-            paths = list(old.arrays)
+            paths = list(load_index(self.store).arrays)
         except FormatError:
             paths = []
         self.store.delete(INDEX_KEY)  # the old dataset becomes invisible first
@@ -353,6 +368,8 @@ class DatasetWriter:
             specs = self._probe_specs
             if specs is None:
                 specs = {}
+                if not sample:
+                    raise ValueError(f"sample {i}: a sample needs at least one field")
                 for name, value in sample.items():
                     validate_field_name(name)
                     specs[name] = _infer(i, name, value, self.schema.get(name))
@@ -430,6 +447,12 @@ class DatasetWriter:
         self, path: str, dtype: np.dtype, inner: tuple[int, ...], chunk_len: int, per_shard: int
     ) -> None:
         assert self._group is not None
+        nbytes = chunk_len * math.prod(inner) * dtype.itemsize
+        if nbytes > MAX_CHUNK_NBYTES:
+            raise ValueError(
+                f"array {path!r}: chunks of {nbytes:,} bytes, over the {MAX_CHUNK_NBYTES:,}-byte "
+                "limit (lower rows_per_chunk, chunk_bytes or data_chunk_bytes)"
+            )
         w = _ArrayWriter(self._group, path, dtype, inner, chunk_len, per_shard, self.compression)
         with self._lock:
             self._arrays[path] = w
@@ -520,8 +543,14 @@ class DatasetWriter:
             self.metadata,
             DatasetIndex.compute_fingerprint(body),
         )
+        raw = index.to_bytes()
+        if len(raw) > MAX_INDEX_BYTES:
+            raise ValueError(
+                f"the dataset index would be {len(raw):,} bytes, over the {MAX_INDEX_BYTES:,}-byte"
+                " limit readers accept (use larger chunks and shards)"
+            )
         self.store.sync()
-        self.store.create(INDEX_KEY, index.to_bytes())
+        self.store.create(INDEX_KEY, raw)
         self._closed = True
         if self._owns_store:
             self.store.close()
