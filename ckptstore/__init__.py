@@ -12,6 +12,7 @@ from .errors import (
     InvalidNameError,
     ObjectExistsError,
     ObjectNotFoundError,
+    StoreAccessError,
     StoreError,
     UnsupportedTypeError,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectNotFoundError",
     "Store",
+    "StoreAccessError",
     "StoreError",
     "UnsupportedTypeError",
     "open_store",

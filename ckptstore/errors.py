@@ -12,6 +12,11 @@ class StoreError(CkptStoreError, OSError):
     """A storage backend failed (I/O error, unreachable endpoint, refused request)."""
 
 
+class StoreAccessError(StoreError, PermissionError):
+    """The store's location cannot be created or written: no permission, or a read-only file
+    system. The message names the path and what failed; `errno` is the system's code."""
+
+
 class ObjectNotFoundError(StoreError, FileNotFoundError):
     """A store key that should exist does not."""
 

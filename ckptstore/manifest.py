@@ -671,7 +671,9 @@ def _parse_manifest(data: bytes, expected_name: str | None,
                           f"{algorithm.name!r}")
     try:
         name = validate_name(d["name"])
-        parent = None if d["parent"] is None else validate_name(d["parent"])
+        # a parent is informational, and may predate the reservation of "latest"
+        parent = None if d["parent"] is None else validate_name(d["parent"],
+                                                                 allow_reserved=True)
     except ValueError as exc:
         raise FormatError(f"manifest: {exc}") from None
     if expected_name is not None and name != expected_name:

@@ -11,7 +11,9 @@ Output: tables on a terminal; one JSON document when stdout is not a terminal or
 problem (diff: different; verify: bad/missing blobs or manifests; ls/du: unreadable manifests
 or missing blobs); 2 error (bad arguments, bad URI, unknown checkpoint, corrupt store,
 credentials, unreachable endpoint, ...), always one line on stderr; 75 gc did not run because
-saves are in progress (try again); 130 interrupted.
+saves are in progress (try again); 130 interrupted. CKPT_DEBUG=1 adds the traceback of an error
+to stderr and changes nothing else (not the exit code). URIs and URLs are shown redacted (user
+info, query and fragment hidden: `ckptstore.redact`).
 
 Import path: this module imports neither torch nor boto3; `export`/`import` import torch, S3
 URIs import boto3, when used.
@@ -24,6 +26,8 @@ import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
+
+from ..redact import redact_text
 
 EXIT_OK = 0
 EXIT_FOUND = 1
@@ -169,9 +173,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An error as one line for stderr, every URL in it redacted."""
     text = str(exc).strip() or type(exc).__name__
-    return " ".join(text.split())
+    return redact_text(" ".join(text.split()))
+
+
+def debug_enabled() -> bool:
+    """CKPT_DEBUG set to anything but '' or '0'."""
+    return os.environ.get("CKPT_DEBUG", "") not in ("", "0")
+
+
+def _write_traceback(exc: BaseException) -> None:
+    """The traceback of `exc` on stderr (CKPT_DEBUG), every URL in it redacted."""
+    import traceback
+
+    sys.stderr.write(redact_text("".join(traceback.format_exception(exc))))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:
-        sys.stderr.write(f"ckpt: error: {_one_line(exc)}\n")
+        sys.stderr.write(f"ckpt: error: {one_line(exc)}\n")
         return EXIT_ERROR
     if args.command is None:
         sys.stderr.write("ckpt: error: choose a command: ls, show, diff, du, verify, gc, rm, "
@@ -204,8 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return EXIT_OK
     except Exception as exc:  # noqa: BLE001 - every error is one line, never a traceback
-        if os.environ.get("CKPT_DEBUG"):
-            raise
+        if debug_enabled():  # adds the traceback; the line and exit code stay the same
+            _write_traceback(exc)
         code, message = commands.classify(exc)
         sys.stderr.write(f"ckpt: {message}\n")
         return code

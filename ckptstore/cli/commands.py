@@ -21,16 +21,17 @@ from ..errors import (
     RepositoryNotFoundError,
 )
 from ..manifest import Manifest
+from ..redact import redact_uri
 from ..repository import CheckpointStore
 from ..stores import open_store
-from . import EXIT_BUSY, EXIT_ERROR, EXIT_FOUND, EXIT_OK, UsageError
+from . import EXIT_BUSY, EXIT_ERROR, EXIT_FOUND, EXIT_OK, UsageError, one_line
 from .output import Output, finite, human_bytes, iso_time, line, table
 
 
 # --------------------------------------------------------------------------- plumbing
 def classify(exc: BaseException) -> tuple[int, str]:
-    """Exit code and one-line message for an error that reached `main`."""
-    text = " ".join((str(exc).strip() or type(exc).__name__).split())
+    """Exit code and one-line message (URLs redacted) for an error that reached `main`."""
+    text = one_line(exc)
     if isinstance(exc, leases.LeaseBusyError):
         return EXIT_BUSY, f"busy: {text}"
     if isinstance(exc, UsageError):
@@ -72,7 +73,8 @@ def open_repo(uri: str, args: argparse.Namespace, *, create: bool = False,
     except ObjectNotFoundError:
         path = uri[len("file://"):] if scheme == "file" else uri
         what = "not a folder" if os.path.exists(path) else "no such folder"
-        raise RepositoryNotFoundError(f"no ckptstore repository at {uri} ({what})") from None
+        raise RepositoryNotFoundError(
+            f"no ckptstore repository at {redact_uri(uri)} ({what})") from None
     try:
         return CheckpointStore(store, create=create, workers=workers)
     except BaseException:
@@ -478,17 +480,17 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
                 raise CheckpointNotFoundError(
                     f"checkpoint {m.name!r} has no keys matching {', '.join(args.keys)}")
         fmt = interop.export_format(args.out, args.format)  # fail before loading anything
-        with out.progress(f"exporting to {args.out}", unit="steps"):
+        with out.progress(f"exporting to {redact_uri(args.out)}", unit="steps"):
             report = interop.export_checkpoint(repo, args.name, args.out, fmt=fmt, keys=keys,
                                                overwrite=args.force)
-        doc = {"uri": repo.uri, "name": report.name, "out": report.out,
+        doc = {"uri": repo.uri, "name": report.name, "out": redact_uri(report.out),
                "format": report.format, "tensors": report.tensors, "bytes": report.bytes,
                "skipped": report.skipped, "converted": report.converted,
                "seconds": round(report.seconds, 3)}
 
         def render(console: Any) -> None:
             line(console, f"exported {report.name}: {report.tensors} tensor(s), "
-                          f"{human_bytes(report.bytes)} to {report.out} ({report.format})")
+                          f"{human_bytes(report.bytes)} to {doc['out']} ({report.format})")
 
         out.emit(doc, render)
         if report.skipped:
@@ -510,23 +512,24 @@ def cmd_import(args: argparse.Namespace, out: Output) -> int:
             raise UsageError("--metadata must be a JSON object, e.g. '{\"step\": 100}'")
     fmt = args.format or interop.detect_format(args.source)
     if fmt == "dcp" and args.trust_pickle:
-        out.note(f"note: {args.source} is a torch.distributed.checkpoint directory; its "
-                 ".metadata is a pickle, read by torch trusting its source (--trust-pickle)")
+        out.note(f"note: {redact_uri(args.source)} is a torch.distributed.checkpoint "
+                 "directory; its .metadata is a pickle, read by torch trusting its source "
+                 "(--trust-pickle)")
     elif fmt == "dcp":
         interop.read_dcp(args.source, trust_pickle=False)  # raises the explanation
     with open_repo(args.uri, args, create=True) as repo:
         compression: Any = ... if args.compression is None else args.compression
-        with out.progress(f"importing {args.source}", unit="steps"):
+        with out.progress(f"importing {redact_uri(args.source)}", unit="steps"):
             report = interop.import_checkpoint(repo, args.name, args.source, fmt=fmt,
                                                metadata=metadata, trust_pickle=args.trust_pickle,
                                                compression=compression)
-        doc = {"uri": repo.uri, "name": report.name, "source": report.source,
+        doc = {"uri": repo.uri, "name": report.name, "source": redact_uri(report.source),
                "format": report.format, "tensors": report.tensors,
                "logical_bytes": report.logical_bytes, "written_bytes": report.written_bytes,
                "reused_bytes": report.reused_bytes, "seconds": round(report.seconds, 3)}
 
         def render(console: Any) -> None:
-            line(console, f"imported {report.source} ({report.format}) as {report.name}: "
+            line(console, f"imported {doc['source']} ({report.format}) as {report.name}: "
                           f"{report.tensors} tensor(s), {human_bytes(report.logical_bytes)}; "
                           f"wrote {human_bytes(report.written_bytes)}, reused "
                           f"{human_bytes(report.reused_bytes)} in {report.seconds:.1f}s")

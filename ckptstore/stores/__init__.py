@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from ..errors import InvalidNameError
+from ..redact import redact_uri
 from .base import ObjectInfo, Store
 from .local import LocalStore
 from .memory import MemoryStore
@@ -27,14 +28,15 @@ def open_store(uri: str | os.PathLike[str] | Store, **options: Any) -> Store:
     if isinstance(uri, os.PathLike):
         return LocalStore(uri, **options)
     if not isinstance(uri, str) or not uri:
-        raise InvalidNameError(f"store URI must be a non-empty string, got {uri!r}")
+        raise InvalidNameError(f"store URI must be a non-empty string, got {redact_uri(uri)!r}")
     scheme, sep, rest = uri.partition("://")
     if not sep:
         return LocalStore(uri, **options)
     scheme = scheme.lower()
     if scheme == "file":
-        if not rest.startswith("/"):
-            raise InvalidNameError(f"file URI must be absolute (file:///path): {uri!r}")
+        if not rest.startswith("/") or "?" in rest or "#" in rest:
+            raise InvalidNameError("file URI must be absolute, without host, query or "
+                                   f"fragment (file:///path): {redact_uri(uri)!r}")
         return LocalStore(rest, **options)
     if scheme == "memory":
         return MemoryStore(rest, **options)
@@ -42,5 +44,5 @@ def open_store(uri: str | os.PathLike[str] | Store, **options: Any) -> Store:
         from .s3 import S3Store  # only this backend imports boto3
 
         return S3Store.from_uri(uri, **options)
-    raise InvalidNameError(f"unknown store scheme {scheme!r} in {uri!r} "
+    raise InvalidNameError(f"unknown store scheme in {redact_uri(uri)!r} "
                            "(use a path, file://, s3://, memory://)")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..errors import StoreError
 from ..hashing import digest
+from ..redact import redact_uri
 
 Buffer = bytes | bytearray | memoryview
 
@@ -38,8 +39,18 @@ class ObjectInfo:
 class Store(abc.ABC):
     """Abstract store. Subclasses implement the abstract methods; the rest have defaults."""
 
-    #: URI this store was opened from (for messages; never contains credentials).
-    uri: str = ""
+    _uri: str = ""
+
+    @property
+    def uri(self) -> str:
+        """The URI this store was opened from, fit for messages and reprs: user info, query
+        and fragment are redacted (`redact.redact_uri`). Backends keep what they need to
+        connect elsewhere."""
+        return self._uri
+
+    @uri.setter
+    def uri(self, value: str) -> None:
+        self._uri = redact_uri(value)
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:

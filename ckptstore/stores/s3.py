@@ -4,7 +4,9 @@ Contracts, on top of the ones in `base`:
 
 * Credentials come only from the standard boto3 chain (environment, shared config files,
   instance or container roles). This object never holds them, and no message, log line or
-  repr carries them. A URI or endpoint with ``user:password@`` in it is refused.
+  repr carries them. A URI or endpoint with ``user:password@``, a query or a fragment in it is
+  refused (the endpoint botocore takes from its own configuration too); every URI, endpoint
+  and botocore text shown goes through `redact.redact_uri`/`redact_text` first.
 * Retries: botocore "standard" mode with a bounded ``total_max_attempts`` covers throttling,
   5xx replies and connection errors. botocore does not retry a GET whose *body* breaks off
   part-way, so reads run their own bounded loop around that (resuming a ranged read with
@@ -60,6 +62,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from ..errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
 from ..hashing import new_hasher
 from ..names import validate_key, validate_prefix
+from ..redact import redact_text, redact_uri
 from .base import Buffer, ObjectInfo, Store, check_range, short_read
 
 logger = logging.getLogger(__name__)
@@ -86,11 +89,22 @@ _BODY_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
 )
 
+def _backoff(attempt: int) -> None:
+    """Sleep before retry number `attempt` (0-based): full jitter, 50 ms doubling, 2 s cap."""
+    time.sleep(min(2.0, 0.05 * 2**attempt) * random.random())
+
+
 class _Truncated(Exception):
     """Internal: the body ended before the bytes the reply promised."""
 
 
 _RETRY_BODY: tuple[type[BaseException], ...] = (_Truncated, *_BODY_ERRORS)
+#: Raw network and protocol errors that escape botocore (and so its retries): an error reply
+#: whose body was cut raises urllib3's ProtocolError, for example. Retried by us.
+_ESCAPED: tuple[type[BaseException], ...] = tuple(
+    e for e in _BODY_ERRORS if not issubclass(e, BotoCoreError))
+#: Everything a client call can raise.
+_SDK_ERRORS: tuple[type[BaseException], ...] = (ClientError, BotoCoreError, *_ESCAPED)
 
 _CLIENT_LOCK = threading.Lock()
 _LOADER: Any = None  # botocore's model loader, shared: parsing the S3 model costs ~150 ms
@@ -136,15 +150,47 @@ def validate_bucket(bucket: str) -> str:
     return bucket
 
 
-def _safe_endpoint(url: str | None) -> str:
-    """The endpoint for messages: scheme://host[:port][/path], never user info."""
-    if not url:
-        return "the default AWS endpoint"
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return f"{parts.scheme}://{host}{parts.path}"
+def _shown_endpoint(url: str | None) -> str:
+    """The endpoint for messages (redacted)."""
+    return redact_uri(url) if url else "the default AWS endpoint"
+
+
+def check_endpoint(url: str) -> str:
+    """Return `url` if it is a usable endpoint, http(s)://host[:port][/path], else raise
+    InvalidNameError (showing it redacted). User info is refused (credentials come only from
+    the standard chain), and so are a query and a fragment (S3 request URLs are built by
+    appending to the endpoint; botocore refuses them, quoting the whole URL)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a malformed port
+    except (ValueError, TypeError):
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidNameError(
+            f"endpoint_url must look like http(s)://host[:port], got {_shown_endpoint(url)!r}"
+        )
+    if parts.username is not None or parts.password is not None:
+        raise InvalidNameError(
+            f"endpoint_url {_shown_endpoint(url)!r} must not contain credentials; use the "
+            "standard AWS credential chain (environment, ~/.aws, instance role)"
+        )
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise InvalidNameError(
+            f"endpoint_url {_shown_endpoint(url)!r} must not have a query or fragment"
+        )
+    return url
+
+
+def _scrub_chain(exc: BaseException) -> None:
+    """Redact the URLs in the texts of `exc` and of the exceptions it chains to, in place.
+    Our StoreErrors keep the botocore error as their cause (for tracebacks), and its text can
+    quote the endpoint or request URL."""
+    seen: set[int] = set()
+    node: BaseException | None = exc
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        node.args = tuple(redact_text(a) if isinstance(a, str) else a for a in node.args)
+        node = node.__cause__ or node.__context__
 
 
 def _error_code(exc: ClientError) -> tuple[str, int | None]:
@@ -262,17 +308,7 @@ class S3Store(Store):
         self.prefix = validate_key(prefix) if prefix else ""
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         if endpoint_url is not None:
-            parts = urlsplit(endpoint_url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise InvalidNameError(
-                    f"endpoint_url must look like http(s)://host[:port], got "
-                    f"{_safe_endpoint(endpoint_url)!r}"
-                )
-            if parts.username is not None or parts.password is not None:
-                raise InvalidNameError(
-                    "endpoint_url must not contain credentials; use the standard AWS "
-                    "credential chain (environment, ~/.aws, instance role)"
-                )
+            check_endpoint(endpoint_url)
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         if multipart_chunksize < MIN_PART_SIZE:
@@ -306,10 +342,12 @@ class S3Store(Store):
             self._client = _new_client(endpoint_url, region_name, Config(**config_args))
         except BotoCoreError as exc:
             raise self._error(exc, "open") from exc
-        self.endpoint = _safe_endpoint(self._client.meta.endpoint_url)
+        self.endpoint = _shown_endpoint(self._client.meta.endpoint_url)
         self._closed = False
         self._lock = threading.Lock()
         try:
+            # also the endpoint botocore found itself ($AWS_ENDPOINT_URL, ~/.aws/config)
+            check_endpoint(self._client.meta.endpoint_url)
             self._check_bucket(create)
         except BaseException:
             self._client.close()
@@ -326,7 +364,7 @@ class S3Store(Store):
             raise InvalidNameError(f"S3 URI must be a string, got {type(uri).__name__}")
         scheme, sep, rest = uri.partition("://")
         if not sep or scheme.lower() != "s3":
-            raise InvalidNameError(f"not an S3 URI (s3://bucket/prefix): {uri!r}")
+            raise InvalidNameError(f"not an S3 URI (s3://bucket/prefix): {redact_uri(uri)!r}")
         bucket, _, prefix = rest.partition("/")
         if "@" in bucket or ":" in bucket:
             # never echo the URI: it may hold a secret
@@ -335,7 +373,8 @@ class S3Store(Store):
                 "credentials come only from the standard AWS credential chain"
             )
         if "?" in rest or "#" in rest:
-            raise InvalidNameError(f"S3 URI must not have a query or fragment: {uri!r}")
+            raise InvalidNameError(
+                f"S3 URI must not have a query or fragment: {redact_uri(uri)!r}")
         return cls(bucket, prefix, **options)
 
     # -- plumbing ------------------------------------------------------------------------
@@ -353,7 +392,9 @@ class S3Store(Store):
 
     def _error(self, exc: BaseException, action: str, key: str | None = None) -> StoreError:
         """One clear line for a botocore failure. Never includes credentials: only our own
-        text, the server's error code and message, and the endpoint without user info."""
+        text, the server's error code and message, and the endpoint, with every URL redacted
+        (in `exc` and its chain too, as it becomes our error's cause)."""
+        _scrub_chain(exc)
         what = self._where(key)
         if isinstance(exc, ClientError):
             code, status = _error_code(exc)
@@ -364,7 +405,8 @@ class S3Store(Store):
                 )
             if code in _NOT_FOUND_CODES or (status == 404 and code not in ("NoSuchUpload",)):
                 return ObjectNotFoundError(f"{self.uri}: no object {key!r}")
-            message = str(exc.response.get("Error", {}).get("Message", "")).splitlines()
+            message = redact_text(str(exc.response.get("Error", {}).get("Message", ""))
+                                  ).splitlines()
             detail = f"{code or status}" + (f" ({message[0]})" if message and message[0] else "")
             if code in _DENIED_CODES or status == 403:
                 return StoreError(
@@ -388,14 +430,23 @@ class S3Store(Store):
                 f"{action} {what}: connection to {getattr(self, 'endpoint', '?')} failed "
                 f"({type(exc).__name__}) after {self.max_attempts} attempt(s)"
             )
-        first = str(exc).splitlines()[0] if str(exc) else ""
+        text = redact_text(str(exc))
+        first = text.splitlines()[0] if text else ""
         return StoreError(f"{action} {what}: {type(exc).__name__}: {first}")
 
     def _call(self, action: str, key: str | None, fn: Callable[..., Any], **kwargs: Any) -> Any:
-        try:
-            return fn(Bucket=self.bucket, **kwargs)
-        except (ClientError, BotoCoreError) as exc:
-            raise self._error(exc, action, key) from exc
+        """One idempotent request (head, delete); network and protocol errors that escape
+        botocore (_ESCAPED) are retried here, up to `max_attempts` times with backoff."""
+        for attempt in range(self.max_attempts + 1):
+            try:
+                return fn(Bucket=self.bucket, **kwargs)
+            except _ESCAPED as exc:
+                if attempt >= self.max_attempts:
+                    raise self._error(exc, action, key) from exc
+                _backoff(attempt)
+            except (ClientError, BotoCoreError) as exc:
+                raise self._error(exc, action, key) from exc
+        raise AssertionError("unreachable")
 
     def _check_bucket(self, create: bool) -> None:
         try:
@@ -503,6 +554,7 @@ class S3Store(Store):
                     # replaced between our attempts: start over on the new version
                     failures += 1
                     if failures > self.read_retries:
+                        _scrub_chain(exc)
                         raise StoreError(
                             f"read {self._where(key)}: object kept changing while being read"
                         ) from exc
@@ -513,6 +565,12 @@ class S3Store(Store):
                 raise self._error(exc, "read", key) from exc
             except BotoCoreError as exc:
                 raise self._error(exc, "read", key) from exc
+            except _ESCAPED as exc:  # the reply broke before its body: ask again
+                failures += 1
+                if failures > self.read_retries:
+                    raise self._error(exc, "read", key) from exc
+                _backoff(failures - 1)
+                continue
 
             body = resp["Body"]
             try:
@@ -547,6 +605,7 @@ class S3Store(Store):
             except _RETRY_BODY as exc:
                 failures += 1
                 if failures > self.read_retries:
+                    _scrub_chain(exc)
                     raise StoreError(
                         f"read {self._where(key)}: body broke off {failures} times "
                         f"({type(exc).__name__}); giving up"
@@ -578,13 +637,19 @@ class S3Store(Store):
     def put(self, key: str, data: Buffer) -> None:
         full = self._key(key)
         view = _as_view(data)
-        try:
-            if len(view) >= self.multipart_threshold:
-                self._put_multipart(full, view, conditional=False)
-            else:
-                self._client.put_object(Bucket=self.bucket, Key=full, Body=_body(view))
-        except (ClientError, BotoCoreError) as exc:
-            raise self._error(exc, "write", key) from exc
+        for attempt in range(self.max_attempts + 1):
+            try:
+                if len(view) >= self.multipart_threshold:
+                    self._put_multipart(full, view, conditional=False)
+                else:
+                    self._client.put_object(Bucket=self.bucket, Key=full, Body=_body(view))
+                return
+            except _ESCAPED as exc:
+                if attempt >= self.max_attempts:
+                    raise self._error(exc, "write", key) from exc
+                _backoff(attempt)
+            except (ClientError, BotoCoreError) as exc:
+                raise self._error(exc, "write", key) from exc
 
     def create(self, key: str, data: Buffer) -> None:
         full = self._key(key)
@@ -608,6 +673,11 @@ class S3Store(Store):
                     raise self._error(exc, "create", key) from exc
             except BotoCoreError as exc:
                 raise self._error(exc, "create", key) from exc
+            except _ESCAPED as exc:
+                if attempt >= self.max_attempts:
+                    raise self._error(exc, "create", key) from exc
+                _backoff(attempt)  # the write may have landed: the next attempt finds out
+                continue
             # the key exists: ours from an earlier attempt whose reply was lost, or another's
             same = self._same_content(key, full, view)
             if same is None:
@@ -697,7 +767,7 @@ class S3Store(Store):
     def _landed(self, full: str, parts: list[dict[str, Any]]) -> bool:
         try:
             head = self._client.head_object(Bucket=self.bucket, Key=full)
-        except (ClientError, BotoCoreError):
+        except _SDK_ERRORS:
             return False
         return head.get("ETag") == _multipart_etag(parts)
 
@@ -753,7 +823,7 @@ class S3Store(Store):
                     except InvalidNameError:
                         continue  # a foreign object (e.g. a console "folder/") we never wrote
                     yield ObjectInfo(key, int(item["Size"]), item["LastModified"].timestamp())
-        except (ClientError, BotoCoreError) as exc:
+        except _SDK_ERRORS as exc:
             raise self._error(exc, "list", prefix or None) from exc
 
     def sync(self) -> None:
