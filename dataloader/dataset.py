@@ -105,8 +105,8 @@ class StreamingDataset:
         if world_size is not None:
             world_size = check_int(world_size, "world_size", 1, MAX_WORLD_SIZE, ValueError)
             rank = check_int(rank, "rank", 0, world_size - 1, ValueError)
-        self.uri = uri if isinstance(uri, str) else uri.uri
         self.store = open_store(uri, **dict(store_options or {}))
+        self.uri = self.store.uri  # redacted: safe to show
         try:
             self.index = load_index(self.store)
         except ObjectNotFoundError:

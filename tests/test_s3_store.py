@@ -682,3 +682,35 @@ def test_checksum_settings_are_configurable(s3_uri: str, moto_endpoint: str) -> 
         assert config.max_pool_connections == 8
         store.put("x", b"abc")
         assert store.get("x") == b"abc"
+
+
+def test_protocol_errors_that_escape_botocore_are_retried_then_mapped(
+        s3_uri: str, moto_endpoint: str) -> None:
+    """An error reply whose body is cut makes urllib3 raise ProtocolError past botocore's
+    retries: the store retries such a request itself, then reports a StoreError (never a raw
+    urllib3 exception)."""
+    import urllib3
+
+    store = S3Store.from_uri(s3_uri, endpoint_url=moto_endpoint, max_attempts=2)
+    store.put("k", b"v")
+    failures = {"left": 1}
+
+    def cut_reply(request: Any, **kwargs: Any) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise urllib3.exceptions.ProtocolError("Connection broken: IncompleteRead")
+
+    for event in ("HeadObject", "PutObject", "GetObject", "DeleteObject"):
+        store.client.meta.events.register(f"before-send.s3.{event}", cut_reply)
+    for op in (lambda: store.exists("k"), lambda: store.put("k", b"w"),
+               lambda: store.get("k"), lambda: store.create("new", b"n"),
+               lambda: store.delete("new")):
+        failures["left"] = 1
+        op()  # one broken reply: retried, succeeds
+    assert store.get("k") == b"w"
+    failures["left"] = 100
+    with pytest.raises(StoreError, match="ProtocolError"):
+        store.stat("k")
+    failures["left"] = 100
+    with pytest.raises(StoreError, match="ProtocolError"):
+        store.get("k")
