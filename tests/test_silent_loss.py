@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -211,6 +212,20 @@ def test_stray_and_torn_manifests_do_not_stop_saves_lists_or_restores(cluttered:
     mgr.save(5, {"w": torch.full((8,), 5.0)})
     assert mgr.restore(state) == 5
     mgr.close()
+
+
+def test_ckpt_ls_and_verify_show_what_is_not_a_manifest(cluttered: Path, capsys) -> None:
+    from ckptstore.cli import main
+
+    for command in ("ls", "verify"):
+        assert main([command, str(cluttered), "--json"]) == 1  # EXIT_FOUND: something is wrong
+        doc = json.loads(capsys.readouterr().out)
+        listed = doc["errors"] if command == "ls" else doc["manifest_problems"]
+        assert sorted(e["name"] for e in listed) == ["._step-1", "step 1", "step-4"]
+        if command == "ls":
+            assert [c["name"] for c in doc["checkpoints"]] == ["step-1", "step-2", "step-3"]
+        else:
+            assert doc["checkpoints"] == ["step-1", "step-2", "step-3"]
 
 
 def test_gc_refuses_while_a_manifest_it_cannot_read_exists(cluttered: Path) -> None:

@@ -5,7 +5,6 @@ them as one line (see `classify`)."""
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
 import os
 from collections.abc import Sequence
@@ -16,13 +15,12 @@ from ..errors import (
     CheckpointNotFoundError,
     CkptStoreError,
     FormatError,
-    InvalidNameError,
     ObjectNotFoundError,
     RepositoryNotFoundError,
 )
 from ..manifest import Manifest
 from ..redact import redact_uri
-from ..repository import CheckpointStore
+from ..repository import MANIFEST_PREFIX, CheckpointStore, manifest_key
 from ..stores import open_store
 from . import EXIT_BUSY, EXIT_ERROR, EXIT_FOUND, EXIT_OK, UsageError, one_line
 from .output import Output, finite, human_bytes, iso_time, line, table
@@ -83,23 +81,21 @@ def open_repo(uri: str, args: argparse.Namespace, *, create: bool = False,
 
 
 def load_manifests(repo: CheckpointStore) -> tuple[list[Manifest], list[dict[str, str]]]:
-    """Every readable manifest (oldest first) and the ones that are not, as problems."""
-    names = repo.names()
-
-    def one(name: str) -> tuple[Manifest | None, dict[str, str] | None]:
-        try:
-            return repo.manifest(name), None
-        except CheckpointNotFoundError:
-            return None, None  # deleted since the listing
-        except (FormatError, InvalidNameError) as exc:
-            return None, {"name": name, "error": " ".join(str(exc).split())}
-
-    with cf.ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(one, names))
-    manifests = [m for m, _ in results if m is not None]
-    errors = sorted((e for _, e in results if e is not None), key=lambda e: e["name"])
-    manifests.sort(key=lambda m: (m.created, m.name))
+    """Every readable manifest in commit order, and every object under checkpoints/ that is
+    not one (a torn or corrupt manifest, a stray file such as `._step-1.json`) as problems."""
+    problems = repo.problems()  # reads every manifest once; the repository caches them
+    bad = {p.key for p in problems}
+    manifests = [m for name in repo.history() if manifest_key(name) not in bad
+                 and (m := repo.find_manifest(name)) is not None]
+    errors = [{"name": _shown_name(p.key), "key": p.key, "error": " ".join(p.reason.split())}
+              for p in problems]
     return manifests, errors
+
+
+def _shown_name(key: str) -> str:
+    """The checkpoint name a key under checkpoints/ would have (for junk: its file name)."""
+    name = key[len(MANIFEST_PREFIX):]
+    return name[: -len(".json")] if name.endswith(".json") else name
 
 
 def _report_manifest_errors(out: Output, errors: list[dict[str, str]]) -> None:
