@@ -1,4 +1,4 @@
-"""Everything DESIGN.md §2 promises round-trips exactly, on every store."""
+"""Every kind of state the public API promises round-trips exactly, on every store."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DESIGN.md §5: whole-or-invisible commits, verified reads, clear errors on bad input."""
+"""Safety rules: whole-or-invisible commits, verified reads, clear errors on bad input."""
 
 from __future__ import annotations
 
