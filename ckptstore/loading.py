@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import tree as tree_mod
+from .collector import paused_collector
 from .errors import FormatError, KeyMismatchError
 from .manifest import Manifest, TensorEntry
 from .reader import CheckpointReader, ReadTarget
@@ -119,37 +120,38 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
     check_allocation(manifest, [i for i in selected if key_of.get(i, "") not in dests],
                      max_alloc_bytes)
 
-    torch_mat = None
-    values: dict[int, Any] = {}
-    targets: list[ReadTarget] = []
-    finishers: list[Callable[[], None]] = []
-    for i in selected:
-        entry = manifest.tensors[i]
-        key = key_of.get(i, "")
-        original = dests.get(key)
-        rows = None
-        dest = None
-        if original is not None:
-            dest, rows, _gshape = local_part(original, key)
-        try:
-            if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
-                if torch_mat is None:
-                    torch_mat = _torch_interop().TorchMaterializer()
-                value, buf, fin = (torch_mat.into(dest, entry) if dest is not None
-                                   else torch_mat.new(entry))
-            elif entry.kind == "bytes":
-                value, buf, fin = _numpy_new(entry)
-            else:
-                value, buf, fin = (_numpy_into(dest, entry) if dest is not None
-                                   else _numpy_new(entry))
-        except (MemoryError, RuntimeError, ValueError, OverflowError) as exc:
-            raise FormatError(f"tensor {key!r}: cannot allocate {entry.dtype.name} of shape "
-                              f"{list(entry.shape)}: {type(exc).__name__}: {exc}") from None
-        values[i] = original if original is not None else value
-        if buf.nbytes:
-            targets.append(ReadTarget(entry, buf, rows))
-        if fin is not None:
-            finishers.append(fin)
+    with paused_collector():  # allocating thousands of tensors: a CPU-bound step
+        torch_mat = None
+        values: dict[int, Any] = {}
+        targets: list[ReadTarget] = []
+        finishers: list[Callable[[], None]] = []
+        for i in selected:
+            entry = manifest.tensors[i]
+            key = key_of.get(i, "")
+            original = dests.get(key)
+            rows = None
+            dest = None
+            if original is not None:
+                dest, rows, _gshape = local_part(original, key)
+            try:
+                if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
+                    if torch_mat is None:
+                        torch_mat = _torch_interop().TorchMaterializer()
+                    value, buf, fin = (torch_mat.into(dest, entry) if dest is not None
+                                       else torch_mat.new(entry))
+                elif entry.kind == "bytes":
+                    value, buf, fin = _numpy_new(entry)
+                else:
+                    value, buf, fin = (_numpy_into(dest, entry) if dest is not None
+                                       else _numpy_new(entry))
+            except (MemoryError, RuntimeError, ValueError, OverflowError) as exc:
+                raise FormatError(f"tensor {key!r}: cannot allocate {entry.dtype.name} of shape "
+                                  f"{list(entry.shape)}: {type(exc).__name__}: {exc}") from None
+            values[i] = original if original is not None else value
+            if buf.nbytes:
+                targets.append(ReadTarget(entry, buf, rows))
+            if fin is not None:
+                finishers.append(fin)
     reader.read_tensors(targets)
     for fin in finishers:
         fin()

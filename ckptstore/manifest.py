@@ -7,20 +7,17 @@ zarr v3 array metadata document whose `attributes["ckptstore"]` holds what ckpts
 
 from __future__ import annotations
 
-import gc
 import json
 import json.encoder
 import math
 import re
-import threading
-from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from .canonical import SEAL_FIELD, canonical_str, check_seal, is_sealed, seal
 from .codecs import Codec, parse_codec
+from .collector import paused_collector
 from .dtypes import DTYPES, DType, by_name
 from .errors import FormatError
 from .hashing import (
@@ -47,34 +44,6 @@ MAX_CHUNK_BYTES = 1 << 34
 #: dimension as at least 1, so that shape arithmetic never overflows an allocator.
 MAX_TENSOR_BYTES = 1 << 50
 TENSOR_KINDS = ("torch", "numpy", "bytes")
-
-
-_gc_lock = threading.Lock()
-_gc_depth = 0  # gc_paused() blocks running now, in any thread
-_gc_was_enabled = False
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while the block runs. Saves, loads and manifest
-    work allocate hundreds of thousands of acyclic objects for many small tensors, and the
-    collections they trigger walk every object in the process: 25-30% of a 20,000-tensor save
-    or load. Nested and concurrent blocks (threads) are counted: the collector is re-enabled
-    when the last block ends, if it was enabled when the first began. Only reference cycles
-    made meanwhile wait longer to be freed; reference counting works as always."""
-    global _gc_depth, _gc_was_enabled
-    with _gc_lock:
-        if _gc_depth == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_depth += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_depth -= 1
-            if _gc_depth == 0 and _gc_was_enabled:
-                gc.enable()
 
 
 @dataclass(frozen=True)
@@ -216,7 +185,7 @@ class Manifest:
         return {c.blob for t in self.tensors for c in t.chunks}
 
     def to_bytes(self) -> bytes:
-        with gc_paused():
+        with paused_collector():
             return self._to_bytes()
 
     def _to_bytes(self) -> bytes:
@@ -640,7 +609,7 @@ def parse_manifest(data: bytes, expected_name: str | None = None,
                    algorithm: HashAlgorithm = XXH3_128) -> Manifest:
     """Parse and validate untrusted manifest bytes of a repository whose hash algorithm is
     `algorithm` (the manifest must name the same). Raises FormatError on anything wrong."""
-    with gc_paused():
+    with paused_collector():
         return _parse_manifest(data, expected_name, algorithm)
 
 

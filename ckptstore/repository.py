@@ -23,6 +23,7 @@ from typing import Any
 from . import leases, maintenance
 from .canonical import canonical_json
 from .codecs import Codec, codec_option
+from .collector import paused_collector, quiet_collector
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -39,7 +40,6 @@ from .manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
     committed_manifest,
-    gc_paused,
     parse_manifest,
 )
 from .names import validate_name
@@ -377,7 +377,7 @@ class CheckpointStore:
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in {self.uri}; it "
                                         "was not touched")
         encoder = TreeEncoder()
-        with gc_paused():
+        with paused_collector():
             tree = encoder.encode_state(state)
         latest = self.latest()
         parent_name = latest if parent == LATEST else parent
@@ -502,7 +502,7 @@ class CheckpointStore:
         with self._save_lock:
             self._wait_pending()
             # the lease spans reading the parent (whose chunks are reused) to the commit
-            with leases.save_lease(self.store) as lease, gc_paused():
+            with leases.save_lease(self.store) as lease, quiet_collector():
                 tree, leaves, metadata, parent = self._prepare_or_report(name, state, metadata,
                                                                          parent, hooks)
                 return self._write(name, tree, leaves, metadata, parent,
@@ -520,10 +520,11 @@ class CheckpointStore:
             self._wait_pending()
             lease = leases.acquire_save(self.store)  # released when the background write ends
             try:
-                with gc_paused():
+                with quiet_collector():
                     tree, leaves, metadata, parent = self._prepare_or_report(
                         name, state, metadata, parent, hooks)
-                    staged = self._arena.stage(leaves)
+                    with paused_collector():
+                        staged = self._arena.stage(leaves)
             except BaseException:
                 lease.release()
                 raise
@@ -532,7 +533,7 @@ class CheckpointStore:
 
             def write() -> SaveInfo:
                 try:
-                    with gc_paused():
+                    with quiet_collector():
                         return self._write(name, tree, staged, metadata, parent, options, t0,
                                            blocked, hooks, lease)
                 finally:
@@ -556,9 +557,9 @@ class CheckpointStore:
         `strict` requires every tensor of `into` to be in the checkpoint; with `keys`, only
         those keys or subtrees are read. Every byte is verified (IntegrityError names the
         tensor and blob); on an error, `into` tensors may be partly overwritten."""
-        manifest = self.manifest(name)
         reader = CheckpointReader(self.store, self.load_options)
-        with gc_paused():
+        with quiet_collector():
+            manifest = self.manifest(name)
             return load_state(reader, manifest, into=into, keys=keys, strict=strict)
 
     # ------------------------------------------------------------------ maintenance

@@ -1,4 +1,6 @@
-"""Saves and loads pause Python's cyclic garbage collector and always give it back as found."""
+"""Saves and loads keep the cyclic garbage collector cheap (ckptstore/collector.py) and always
+give it back as found: paused only for short CPU-bound steps, never across I/O; frozen
+objects unfrozen at the end, and a host's own freeze left alone."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointExistsError, CheckpointStore
-from ckptstore.manifest import gc_paused
+from ckptstore.collector import paused_collector as gc_paused
+from ckptstore.collector import quiet_collector
 
 
 @pytest.fixture
@@ -72,3 +75,52 @@ def test_save_load_and_async_save_leave_the_collector_as_found(tmp_path, gc_enab
     repo.load("c")
     seen.append(gc.isenabled())
     assert seen == [True, False]
+
+
+def test_the_collector_runs_during_the_io_of_a_save_and_a_load(tmp_path, gc_enabled):
+    """Never disabled across I/O: every blob write and read sees it enabled, and every object
+    frozen meanwhile is given back at the end."""
+    repo = CheckpointStore(tmp_path / "r")
+    seen: list[bool] = []
+    put, read = repo.store.put, repo.store.read_into_digest
+
+    def watched_put(key, data):
+        if key.startswith("blobs/"):
+            seen.append(gc.isenabled())
+        put(key, data)
+
+    def watched_read(*args):
+        seen.append(gc.isenabled())
+        return read(*args)
+
+    repo.store.put = watched_put
+    repo.store.read_into_digest = watched_read
+    state = {f"t{i}": torch.full((300_000,), float(i)) for i in range(3)}
+    repo.save("a", state)
+    repo.save_async("b", {k: v + 1 for k, v in state.items()}, parent=None).wait()
+    repo.load("b")
+    assert seen and all(seen)
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_hosts_own_freeze_is_left_alone(gc_enabled):
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with quiet_collector():
+            with gc_paused():
+                junk = [[i] for i in range(1000)]
+        del junk
+        assert gc.get_freeze_count() == frozen  # neither grown nor unfrozen
+    finally:
+        gc.unfreeze()
+
+
+def test_quiet_blocks_unfreeze_when_the_last_one_ends(gc_enabled):
+    assert gc.get_freeze_count() == 0
+    with quiet_collector():
+        assert gc.get_freeze_count() > 0
+        with quiet_collector():
+            pass
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
