@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from ckptstore.codecs import codec_option
+from ckptstore.format.codecs import codec_option
 
 CHUNK = 16 << 20
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.hashing import ALGORITHMS
+from ckptstore.format.hashing import ALGORITHMS
 
 
 def hash_speed(name: str, data: bytes, repeat: int) -> float:

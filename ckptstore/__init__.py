@@ -1,6 +1,22 @@
-"""ckptstore: a sharded, content-addressed checkpoint store for PyTorch."""
+"""ckptstore: a sharded, content-addressed checkpoint store for PyTorch.
+
+Where things are (each folder's `__init__` says more; imports flow down this list only):
+
+    errors.py        the error model
+    format/          what is stored: canonical JSON, hashing, names, dtypes, codecs, tree, manifest
+    layout.py        where it is stored: every key prefix and key <-> name mapping
+    stores/          the object stores: local folder, memory, S3; `testing`, the contract suite
+    pipeline/        moving bytes: the save and restore pipelines under a memory budget
+    maintenance/     verify, gc and the leases that keep saves and gc apart
+    repository.py    CheckpointStore, the facade
+    tools/           copying, inspection, import/export, the zarr view
+    training/        CheckpointManager, torch.distributed, RNG state, Lightning
+    cli/             the `ckpt` command
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from .errors import (
     CheckpointExistsError,
@@ -10,70 +26,45 @@ from .errors import (
     FormatError,
     IntegrityError,
     InvalidNameError,
+    KeyMismatchError,
     ObjectExistsError,
     ObjectNotFoundError,
+    RepositoryNotFoundError,
     StoreAccessError,
     StoreError,
     UnsupportedTypeError,
 )
+from .format.codecs import Codec
+from .format.shard import Shard
+from .maintenance.checks import GcReport, VerifyReport
+from .pipeline.writer import SaveInfo
+from .repository import CheckpointInfo, CheckpointStore, SaveHandle
 from .stores import LocalStore, MemoryStore, ObjectInfo, Store, open_store
+from .training.retention import Retention
+from .training.rng import RNGState
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointExistsError",
-    "CheckpointNotFoundError",
-    "CkptStoreError",
-    "DurabilityError",
-    "FormatError",
-    "IntegrityError",
-    "InvalidNameError",
-    "LocalStore",
-    "MemoryStore",
-    "ObjectExistsError",
-    "ObjectInfo",
-    "ObjectNotFoundError",
-    "Store",
-    "StoreAccessError",
-    "StoreError",
-    "UnsupportedTypeError",
-    "open_store",
-]
-
-from .codecs import Codec  # noqa: E402
-from .errors import KeyMismatchError, RepositoryNotFoundError  # noqa: E402
-from .maintenance import GcReport, VerifyReport  # noqa: E402
-from .repository import CheckpointInfo, CheckpointStore, SaveHandle  # noqa: E402
-from .writer import SaveInfo  # noqa: E402
-
-__all__ += [
-    "CheckpointInfo",
-    "CheckpointStore",
-    "Codec",
-    "GcReport",
-    "KeyMismatchError",
-    "RepositoryNotFoundError",
-    "SaveHandle",
-    "SaveInfo",
-    "VerifyReport",
-]
-from .sharding import Shard  # noqa: E402
-
-__all__ += ["Shard"]
-from .retention import Retention  # noqa: E402
-from .rng import RNGState  # noqa: E402
+    "CheckpointExistsError", "CheckpointInfo", "CheckpointManager", "CheckpointNotFoundError",
+    "CheckpointStore", "CkptStoreError", "Codec", "DurabilityError", "FormatError", "GcReport",
+    "IntegrityError", "InvalidNameError", "KeyMismatchError", "LocalStore", "MemoryStore",
+    "ObjectExistsError", "ObjectInfo", "ObjectNotFoundError", "RNGState",
+    "RepositoryNotFoundError", "Retention", "SaveHandle", "SaveInfo", "Shard", "Store",
+    "StoreAccessError", "StoreError", "UnsupportedTypeError", "VerifyReport", "open_store",
+    "zarr_store",
+]  # fmt: skip
 
 
-def __getattr__(name: str):  # CheckpointManager imports torch: load it on first use
+def __getattr__(name: str) -> Any:
+    """Names whose modules are costly to import, loaded on first use: CheckpointManager
+    imports torch; zarr_store imports zarr (~0.45 s, which the CLI never needs)."""
     if name == "CheckpointManager":
-        from .manager import CheckpointManager
+        from .training.manager import CheckpointManager
 
         return CheckpointManager
-    if name == "zarr_store":  # zarr costs ~0.45 s to import; the CLI never needs it
-        from .zarr_view import zarr_store
+    if name == "zarr_store":
+        from .tools.zarr_view import zarr_store
 
         return zarr_store
     raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")
-
-
-__all__ += ["CheckpointManager", "Retention", "RNGState", "zarr_store"]

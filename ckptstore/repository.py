@@ -20,10 +20,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import leases, maintenance
-from .canonical import canonical_json
-from .codecs import Codec, codec_option
-from .collector import paused_collector, quiet_collector
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -34,20 +30,20 @@ from .errors import (
     StoreError,
     UnsupportedTypeError,
 )
-from .hashing import HASH_NAME, HashAlgorithm, blob_key, hash_algorithm
-from .loading import load_state
-from .manifest import (
-    MAX_MANIFEST_BYTES,
-    Manifest,
-    committed_manifest,
-    parse_manifest,
-)
-from .names import validate_name
-from .reader import CheckpointReader, LoadOptions
-from .staging import StagingArena
+from .format.canonical import canonical_json
+from .format.codecs import Codec, codec_option
+from .format.hashing import HASH_NAME, HashAlgorithm, blob_key, hash_algorithm
+from .format.manifest import MAX_MANIFEST_BYTES, Manifest, committed_manifest, parse_manifest
+from .format.names import validate_name
+from .format.tree import TreeEncoder
+from .maintenance import checks as maintenance
+from .maintenance import leases
+from .pipeline.collector import paused_collector, quiet_collector
+from .pipeline.loading import load_state
+from .pipeline.reader import CheckpointReader, LoadOptions
+from .pipeline.staging import StagingArena
+from .pipeline.writer import CheckpointWriter, KnownChunks, SaveInfo, SaveOptions
 from .stores import Store, open_store
-from .tree import TreeEncoder
-from .writer import CheckpointWriter, KnownChunks, SaveInfo, SaveOptions
 
 MARKER_KEY = "ckptstore.json"
 MANIFEST_PREFIX = "checkpoints/"
@@ -147,7 +143,7 @@ class CheckpointStore:
 
     `hash` chooses, when the repository is created, how chunks are named: "xxh3-128" (the
     default; detects accidents) or "sha256-128" (a writer without the manifest cannot forge
-    a chunk; about 1 GB/s per core, see hashing.py). An existing repository keeps its own;
+    a chunk; about 1 GB/s per core, see format/hashing.py). An existing repository keeps its own;
     asking for another is an error.
     """
 
@@ -467,7 +463,7 @@ class CheckpointStore:
 
     def _confirm_reused(self, lease: leases.Lease, reused: set[str]) -> None:
         """Before a commit: if a gc may have run since the save took its lease, check that
-        every blob it reuses from earlier checkpoints still exists (see leases.py)."""
+        every blob it reuses from earlier checkpoints still exists (see maintenance/leases.py)."""
         if not reused or not lease.sweep_may_have_run():
             return
         keys = sorted(reused)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import FormatError, ObjectNotFoundError
-from ckptstore.hashing import HASH_NAME, digest, is_digest
+from ckptstore.format.hashing import HASH_NAME, digest, is_digest
 from ckptstore.stores import Store
 
 FORMAT_NAME = "ckptstore.dataloader"

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import IntegrityError, ObjectNotFoundError, StoreError
-from ckptstore.hashing import digest
+from ckptstore.format.hashing import digest
 from ckptstore.stores import Store
 
 from .cache import ChunkCache

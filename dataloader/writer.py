@@ -21,7 +21,7 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from ckptstore.errors import FormatError, ObjectExistsError
-from ckptstore.hashing import digest
+from ckptstore.format.hashing import digest
 from ckptstore.stores import Store, open_store
 
 from .format import (

@@ -55,7 +55,7 @@ def json_paths(doc: Any, prefix: tuple = ()) -> Iterator[tuple]:
 def sealed_manifest(doc: dict) -> bytes:
     """Manifest bytes for a (possibly tampered) manifest document, with a correct seal: lets
     tests reach the parser's structural checks behind the self-digest check."""
-    from ckptstore.canonical import SEAL_FIELD, canonical_json, seal
+    from ckptstore.format.canonical import SEAL_FIELD, canonical_json, seal
 
     body = {k: v for k, v in doc.items() if k != SEAL_FIELD}
     try:

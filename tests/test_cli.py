@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from ckptstore import CheckpointStore
-from ckptstore.hashing import blob_key
-from ckptstore.maintenance import MIN_BLOB_AGE
+from ckptstore.format.hashing import blob_key
+from ckptstore.maintenance.checks import MIN_BLOB_AGE
 
 TIMEOUT = 120
 
@@ -344,7 +344,7 @@ SAVER = textwrap.dedent("""
     import os, sys, time
     import numpy as np
     from ckptstore import CheckpointStore
-    from ckptstore.leases import save_lease
+    from ckptstore.maintenance.leases import save_lease
 
     uri, flag = sys.argv[1], sys.argv[2]
     repo = CheckpointStore(uri, chunk_bytes=256 * 1024, workers=2)

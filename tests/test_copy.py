@@ -1,4 +1,4 @@
-"""copy_checkpoints (ckptstore/copying.py): only missing blobs are sent, each is verified, the
+"""copy_checkpoints (ckptstore/tools/copying.py): only missing blobs are sent, each is verified, the
 manifest is committed last and create-only, and a bad source commits nothing."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from ckptstore import (
     CheckpointStore,
     IntegrityError,
 )
-from ckptstore.copying import copy_checkpoints
-from ckptstore.hashing import blob_key
-from ckptstore.leases import LeaseBusyError, gc_lease, list_leases
+from ckptstore.format.hashing import blob_key
+from ckptstore.maintenance.leases import LeaseBusyError, gc_lease, list_leases
 from ckptstore.repository import manifest_key
+from ckptstore.tools.copying import copy_checkpoints
 
 
 def repo() -> CheckpointStore:

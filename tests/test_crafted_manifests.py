@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, CkptStoreError, FormatError
-from ckptstore.manifest import MAX_MANIFEST_BYTES
+from ckptstore.format.manifest import MAX_MANIFEST_BYTES
 
 from .helpers import sealed_manifest
 

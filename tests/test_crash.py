@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.maintenance import TEMP_MIN_AGE, gc
+from ckptstore.maintenance.checks import TEMP_MIN_AGE, gc
 
 WRITER = textwrap.dedent("""
     import sys, torch, ckptstore

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, CkptStoreError
-from ckptstore.maintenance import MIN_BLOB_AGE, gc
+from ckptstore.maintenance.checks import MIN_BLOB_AGE, gc
 
 
 def test_gc_frees_only_unreferenced_old_blobs(store_uri, store_options):

@@ -7,7 +7,8 @@ import uuid
 
 import numpy as np
 
-from ckptstore import CheckpointStore, maintenance
+from ckptstore import CheckpointStore
+from ckptstore.maintenance import checks as maintenance
 from tests.test_leases import _GcBeforeCommit
 
 

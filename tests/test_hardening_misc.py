@@ -19,7 +19,7 @@ import pytest
 import ckptstore
 from ckptstore.cli import main
 from ckptstore.errors import InvalidNameError, StoreAccessError, StoreError
-from ckptstore.names import validate_name
+from ckptstore.format.names import validate_name
 from ckptstore.stores import LocalStore
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, FormatError, IntegrityError
-from ckptstore.copying import copy_checkpoints
-from ckptstore.hashing import blob_key
+from ckptstore.format.hashing import blob_key
+from ckptstore.tools.copying import copy_checkpoints
 
 from .helpers import assert_same, sealed_manifest
 

@@ -1,4 +1,4 @@
-"""Pure computations behind ls/du/diff/show (ckptstore/inspection.py)."""
+"""Pure computations behind ls/du/diff/show (ckptstore/tools/inspection.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ckptstore import CheckpointStore
-from ckptstore.inspection import diff, key_matcher, leaves, usage, value_of
+from ckptstore.tools.inspection import diff, key_matcher, leaves, usage, value_of
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, FormatError
-from ckptstore.interop import (
+from ckptstore.tools.interop import (
     TrustRequiredError,
     detect_format,
     export_checkpoint,

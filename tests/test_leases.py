@@ -1,4 +1,4 @@
-"""Save/gc leases (ckptstore/leases.py): gc never deletes while a lease-holding save is in
+"""Save/gc leases (maintenance/leases.py): gc never deletes while a lease-holding save is in
 flight, saves wait for a running gc, stale leases of dead processes are ignored."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import uuid
 import numpy as np
 import pytest
 
-from ckptstore import CheckpointStore, StoreError, maintenance
-from ckptstore.leases import (
+from ckptstore import CheckpointStore, StoreError
+from ckptstore.maintenance import checks as maintenance
+from ckptstore.maintenance.leases import (
     Lease,
     LeaseBusyError,
     acquire_gc,
@@ -166,7 +167,7 @@ def test_a_lease_of_a_killed_process_on_this_machine_is_stale_at_once() -> None:
     import sys
 
     store = mem()
-    code = ("import json, sys; from ckptstore.leases import Lease; "
+    code = ("import json, sys; from ckptstore.maintenance.leases import Lease; "
             "from ckptstore.stores import MemoryStore; l = Lease(MemoryStore('x'), 'save'); "
             "print(l._body.decode())")
     body = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

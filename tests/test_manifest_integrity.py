@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, FormatError
-from ckptstore.canonical import SEAL_FIELD, canonical_json, seal
-from ckptstore.manifest import parse_manifest
+from ckptstore.format.canonical import SEAL_FIELD, canonical_json, seal
+from ckptstore.format.manifest import parse_manifest
 
 from .helpers import sealed_manifest
 

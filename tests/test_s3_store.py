@@ -23,13 +23,8 @@ import boto3
 import pytest
 from botocore.exceptions import ConnectionClosedError
 
-from ckptstore.errors import (
-    InvalidNameError,
-    ObjectExistsError,
-    ObjectNotFoundError,
-    StoreError,
-)
-from ckptstore.hashing import digest
+from ckptstore.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
+from ckptstore.format.hashing import digest
 from ckptstore.stores import open_store
 from ckptstore.stores.s3 import MiB, S3Store
 

@@ -20,7 +20,7 @@ from ckptstore import (
     RepositoryNotFoundError,
     StoreError,
 )
-from ckptstore.hashing import blob_key
+from ckptstore.format.hashing import blob_key
 from ckptstore.stores import LocalStore, MemoryStore
 
 from .helpers import sealed_manifest
@@ -54,8 +54,8 @@ def test_concurrent_commit_race_keeps_the_first(tmp_path):
     """Two writers pass the early existence check; the create-only commit picks one."""
     r1 = CheckpointStore(tmp_path / "repo")
     r2 = CheckpointStore(tmp_path / "repo")
-    from ckptstore.tree import TreeEncoder
-    from ckptstore.writer import CheckpointWriter, KnownChunks
+    from ckptstore.format.tree import TreeEncoder
+    from ckptstore.pipeline.writer import CheckpointWriter, KnownChunks
 
     def write(repo, seed):
         enc = TreeEncoder()

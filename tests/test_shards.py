@@ -25,8 +25,8 @@ def test_load_rows_into_shards_reads_only_needed_chunks(tmp_path):
 def test_shard_reads_only_overlapping_chunks(tmp_path):
     repo = CheckpointStore(tmp_path / "r", chunk_bytes=4000)
     repo.save("s", {"w": torch.randn(100, 100)})
-    from ckptstore.loading import load_state
-    from ckptstore.reader import CheckpointReader
+    from ckptstore.pipeline.loading import load_state
+    from ckptstore.pipeline.reader import CheckpointReader
 
     reader = CheckpointReader(repo.store)
     load_state(reader, repo.manifest("s"), into={"w": Shard(torch.zeros(10, 100), 20, (100, 100))})

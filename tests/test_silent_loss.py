@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import CheckpointManager, CheckpointStore, UnsupportedTypeError, leases
-from ckptstore.hashing import blob_key
-from ckptstore.maintenance import MIN_BLOB_AGE
-from ckptstore.writer import CheckpointWriter
+from ckptstore import CheckpointManager, CheckpointStore, UnsupportedTypeError
+from ckptstore.format.hashing import blob_key
+from ckptstore.maintenance import leases
+from ckptstore.maintenance.checks import MIN_BLOB_AGE
+from ckptstore.pipeline.writer import CheckpointWriter
 
 
 def state_of(seed: int, n: int = 4096) -> dict[str, torch.Tensor]:
@@ -36,7 +37,7 @@ SKEWED_GC = textwrap.dedent("""
     real = time.time
     time.time = lambda: real() + float(sys.argv[2])  # this host's clock is wrong
     from ckptstore import CheckpointStore
-    from ckptstore.leases import LeaseBusyError
+    from ckptstore.maintenance.leases import LeaseBusyError
     repo = CheckpointStore(sys.argv[1], create=False)
     deadline = real() + float(sys.argv[3])
     runs = busy = deleted = 0

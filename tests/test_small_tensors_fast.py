@@ -21,12 +21,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptstore import CheckpointStore, FormatError, Shard, UnsupportedTypeError, staging
-from ckptstore import manifest as M
-from ckptstore.codecs import Codec
-from ckptstore.staging import StagingArena
-from ckptstore.tree import TreeEncoder, key_string, leaf_keys, leaf_paths
-from ckptstore.writer import KnownChunks
+from ckptstore import CheckpointStore, FormatError, Shard, UnsupportedTypeError
+from ckptstore.format import manifest as M
+from ckptstore.format.codecs import Codec
+from ckptstore.format.tree import TreeEncoder, key_string, leaf_keys, leaf_paths
+from ckptstore.pipeline import staging
+from ckptstore.pipeline.staging import StagingArena
+from ckptstore.pipeline.writer import KnownChunks
 
 from .helpers import assert_same, json_paths, sealed_manifest
 

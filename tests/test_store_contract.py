@@ -7,13 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from ckptstore.errors import (
-    InvalidNameError,
-    ObjectExistsError,
-    ObjectNotFoundError,
-    StoreError,
-)
-from ckptstore.hashing import digest
+from ckptstore.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
+from ckptstore.format.hashing import digest
 
 
 def test_put_get_roundtrip(store):

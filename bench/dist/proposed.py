@@ -22,9 +22,9 @@ from typing import Any
 
 
 def plan_collective(descs: list[list[dict[str, Any]]], rank: int, options: Any) -> Any:
-    from ckptstore.distributed import _aligned_chunk_rows, _itemsize
+    from ckptstore.training.distributed import _aligned_chunk_rows, _itemsize
     from ckptstore.errors import CkptStoreError
-    from ckptstore.writer import LeafPlan, rows_per_chunk
+    from ckptstore.pipeline.writer import LeafPlan, rows_per_chunk
 
     world = len(descs)
     mine = descs[rank]
@@ -103,7 +103,7 @@ def parallel_sync(self: Any) -> None:
 
 
 def apply() -> None:
-    import ckptstore.distributed as cdist
+    import ckptstore.training.distributed as cdist
     from ckptstore.stores.local import LocalStore
 
     cdist.plan_collective = plan_collective

@@ -115,7 +115,7 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
 
 
 def fingerprint(tensors: list[torch.Tensor]) -> list[str]:
-    from ckptstore.hashing import digest
+    from ckptstore.format.hashing import digest
 
     return [
         digest(memoryview(byte_view(t)))  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """Wall-time tracing of ckptstore's collective save and restore, from outside.
 
-Wraps the functions the protocol goes through (ckptstore.distributed and the writer, reader
+Wraps the functions the protocol goes through (ckptstore.training.distributed and the writer, reader
 and repository methods it calls) with timers, without changing what they do. Every call is
 recorded as (label, start relative to the measurement's start, seconds, thread); nested
 calls are recorded too (e.g. `store.sync` inside `rank0.commit`).
@@ -61,16 +61,16 @@ class Tracer:
 
 
 def install() -> Tracer:
-    import ckptstore.distributed as cdist
-    import ckptstore.loading as loading
-    import ckptstore.manager as manager
+    import ckptstore.training.distributed as cdist
+    import ckptstore.pipeline.loading as loading
+    import ckptstore.training.manager as manager
     import ckptstore.repository as repository
     import ckptstore.stores.local as local
-    from ckptstore.manifest import Manifest
-    from ckptstore.reader import CheckpointReader
-    from ckptstore.staging import StagingArena
+    from ckptstore.format.manifest import Manifest
+    from ckptstore.pipeline.reader import CheckpointReader
+    from ckptstore.pipeline.staging import StagingArena
     from ckptstore.stores.local import LocalStore
-    from ckptstore.writer import CheckpointWriter
+    from ckptstore.pipeline.writer import CheckpointWriter
 
     t = Tracer()
     # save

@@ -43,7 +43,7 @@ class Rank:
         import torch.distributed.tensor  # noqa: F401   under load: done before any timing)
         from torch.distributed.device_mesh import init_device_mesh
 
-        import ckptstore.manager  # noqa: F401
+        import ckptstore.training.manager
 
         from . import trace
 

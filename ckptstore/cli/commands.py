@@ -10,7 +10,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .. import inspection, leases, maintenance
 from ..errors import (
     CheckpointNotFoundError,
     CkptStoreError,
@@ -18,10 +17,13 @@ from ..errors import (
     ObjectNotFoundError,
     RepositoryNotFoundError,
 )
-from ..manifest import Manifest
+from ..format.manifest import Manifest
+from ..maintenance import checks as maintenance
+from ..maintenance import leases
 from ..redact import redact_uri
 from ..repository import MANIFEST_PREFIX, CheckpointStore, manifest_key
 from ..stores import open_store
+from ..tools import inspection
 from . import EXIT_BUSY, EXIT_ERROR, EXIT_FOUND, EXIT_OK, UsageError, one_line
 from .output import Output, finite, human_bytes, iso_time, line, table
 
@@ -423,7 +425,7 @@ def cmd_rm(args: argparse.Namespace, out: Output) -> int:
 
 # --------------------------------------------------------------------------- cp
 def cmd_cp(args: argparse.Namespace, out: Output) -> int:
-    from ..copying import copy_checkpoints
+    from ..tools.copying import copy_checkpoints
 
     with open_repo(args.src, args, endpoint_url=args.src_endpoint_url,
                    workers=args.workers) as src, \
@@ -464,7 +466,7 @@ def cmd_cp(args: argparse.Namespace, out: Output) -> int:
 
 # --------------------------------------------------------------------------- export / import
 def cmd_export(args: argparse.Namespace, out: Output) -> int:
-    from .. import interop
+    from ..tools import interop
 
     with open_repo(args.uri, args) as repo:
         keys = None
@@ -496,7 +498,7 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_import(args: argparse.Namespace, out: Output) -> int:
-    from .. import interop
+    from ..tools import interop
 
     metadata = None
     if args.metadata is not None:

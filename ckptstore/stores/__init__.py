@@ -41,7 +41,7 @@ def open_store(uri: str | os.PathLike[str] | Store, **options: Any) -> Store:
     if scheme == "memory":
         return MemoryStore(rest, **options)
     if scheme == "s3":
-        from .s3 import S3Store  # only this backend imports boto3
+        from .s3 import S3Store
 
         return S3Store.from_uri(uri, **options)
     raise InvalidNameError(f"unknown store scheme in {redact_uri(uri)!r} "

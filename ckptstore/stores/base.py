@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import StoreError
-from ..hashing import digest
+from ..format.hashing import digest
 from ..redact import redact_uri
 
 Buffer = bytes | bytearray | memoryview

@@ -33,8 +33,8 @@ from ..errors import (
     StoreAccessError,
     StoreError,
 )
-from ..hashing import new_hasher
-from ..names import validate_key, validate_prefix
+from ..format.hashing import new_hasher
+from ..format.names import validate_key, validate_prefix
 from ..redact import has_scheme, redact_uri
 from .base import Buffer, ObjectInfo, Store, check_range, short_read
 

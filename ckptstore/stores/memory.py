@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 
 from ..errors import ObjectExistsError, ObjectNotFoundError
-from ..names import validate_key, validate_prefix
+from ..format.names import validate_key, validate_prefix
 from .base import Buffer, ObjectInfo, Store, check_range, short_read
 
 _SHARED: dict[str, dict[str, tuple[bytes, float]]] = {}

@@ -60,8 +60,8 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ..errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
-from ..hashing import new_hasher
-from ..names import validate_key, validate_prefix
+from ..format.hashing import new_hasher
+from ..format.names import validate_key, validate_prefix
 from ..redact import redact_text, redact_uri
 from .base import Buffer, ObjectInfo, Store, check_range, short_read
 

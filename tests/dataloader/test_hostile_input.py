@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import dataloader
 from ckptstore.errors import FormatError, IntegrityError
-from ckptstore.hashing import digest
+from ckptstore.format.hashing import digest
 from ckptstore.stores import open_store
 from dataloader import StateMismatchError
 from dataloader.format import INDEX_KEY, MAX_INDEX_BYTES, DatasetIndex, canonical_json

@@ -128,7 +128,7 @@ def test_local_cache_serves_second_pass_and_evicts(tmp_path, small_uri):
 
 def test_cache_rejects_a_tampered_file(tmp_path):
     c = ChunkCache(tmp_path, 1 << 20)
-    from ckptstore.hashing import digest
+    from ckptstore.format.hashing import digest
 
     data = b"hello world" * 10
     key = digest(data)

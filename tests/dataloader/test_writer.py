@@ -11,7 +11,7 @@ import zarr
 
 import dataloader
 from ckptstore import ObjectExistsError, open_store
-from ckptstore.hashing import digest
+from ckptstore.format.hashing import digest
 from dataloader.format import INDEX_KEY, DatasetIndex
 from dataloader.zarr_adapter import ZarrStoreAdapter
 

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..errors import CkptStoreError, IntegrityError, ObjectNotFoundError, StoreError
+from ..format.hashing import blob_key, is_digest
+from ..format.manifest import ChunkRef, Manifest, TensorEntry
 from . import leases
-from .errors import CkptStoreError, IntegrityError, ObjectNotFoundError, StoreError
-from .hashing import blob_key, is_digest
-from .manifest import ChunkRef, Manifest, TensorEntry
 
 if TYPE_CHECKING:
-    from .repository import CheckpointStore
+    from ..repository import CheckpointStore
 
 BLOB_PREFIX = "blobs/"
 #: Temp files (`.tmp-*`, a write in progress) are removed only when at least this old,

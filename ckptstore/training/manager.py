@@ -10,7 +10,7 @@ Checkpoints are named `step-<N>`. The latest is the newest whole one in commit o
 one with the largest N: a run that went back to step 50 and saved step 51 resumes from 51,
 not from the abandoned step 100 (see Retention for what is kept). Under
 torch.distributed (initialized, world size > 1) `save` and `restore` are collective: every
-rank calls them with its own state (see ckptstore.distributed).
+rank calls them with its own state (see ckptstore.training.distributed).
 
 Retention runs inside the save, after its commit: checkpoints the policy drops are deleted and
 exactly the blobs no remaining checkpoint references are removed (a targeted sweep, not an
@@ -26,16 +26,16 @@ from typing import Any
 
 import torch
 
+from ..errors import CkptStoreError, FormatError, IntegrityError, KeyMismatchError
+from ..format.hashing import blob_key
+from ..format.tree import flatten_arrays
+from ..maintenance import leases
+from ..maintenance.checks import referenced_blobs
+from ..pipeline.writer import SaveInfo
+from ..repository import CheckpointStore, SaveHandle, SaveHooks
 from . import distributed as cdist
-from . import leases
-from .errors import CkptStoreError, FormatError, IntegrityError, KeyMismatchError
-from .hashing import blob_key
-from .maintenance import referenced_blobs
-from .repository import CheckpointStore, SaveHandle, SaveHooks
 from .retention import Retention
 from .rng import RNGState
-from .tree import flatten_arrays
-from .writer import SaveInfo
 
 STEP_NAME = re.compile(r"step-(\d+)")
 
@@ -217,7 +217,7 @@ class CheckpointManager:
 
 
 def _holds_shards(state: Any) -> bool:
-    from .loading import local_part
+    from ..pipeline.loading import local_part
 
     arrays = flatten_arrays(state)
     return any(local_part(v, k)[1] is not None for k, v in arrays.items())

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .canonical import canonical_json
-from .errors import CkptStoreError
-from .manifest import ChunkRef, Manifest
-from .tree import ArrayLeaf
-from .writer import (
+from ..errors import CkptStoreError
+from ..format.canonical import canonical_json
+from ..format.manifest import ChunkRef, Manifest
+from ..format.tree import ArrayLeaf
+from ..pipeline.writer import (
     CheckpointWriter,
     LeafPlan,
     SaveOptions,
@@ -188,7 +188,7 @@ def plan_collective(descs: list[list[dict[str, Any]]], rank: int,
 
 
 def _itemsize(dtype_name: str) -> int:
-    from .dtypes import by_name
+    from ..format.dtypes import by_name
 
     return by_name(dtype_name).itemsize
 

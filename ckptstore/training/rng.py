@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .sharding import Shard
+from ..format.shard import Shard
 
 
 def _rank_world() -> tuple[int, int]:

@@ -24,19 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import CheckpointExistsError, CkptStoreError, ObjectExistsError, UnsupportedTypeError
+from ..format.codecs import Codec
+from ..format.dtypes import DType
+from ..format.hashing import XXH3_128, HashAlgorithm, blob_key
+from ..format.manifest import ChunkRef, Manifest, StorageRef, TensorEntry, expected_chunk_count
+from ..format.tree import ArrayLeaf
+from ..stores.base import Store
 from .budget import ByteBudget
-from .codecs import Codec
-from .dtypes import DType
-from .errors import (
-    CheckpointExistsError,
-    CkptStoreError,
-    ObjectExistsError,
-    UnsupportedTypeError,
-)
-from .hashing import XXH3_128, HashAlgorithm, blob_key
-from .manifest import ChunkRef, Manifest, StorageRef, TensorEntry, expected_chunk_count
-from .stores.base import Store
-from .tree import ArrayLeaf
 
 MiB = 1 << 20
 

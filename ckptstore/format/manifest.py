@@ -15,19 +15,12 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import FormatError
+from ..pipeline.collector import paused_collector
 from .canonical import SEAL_FIELD, canonical_str, check_seal, is_sealed, seal
 from .codecs import Codec, parse_codec
-from .collector import paused_collector
 from .dtypes import DTYPES, DType, by_name
-from .errors import FormatError
-from .hashing import (
-    ALGORITHMS,
-    HASH_NAME,
-    XXH3_128,
-    HashAlgorithm,
-    check_digest,
-    hash_algorithm,
-)
+from .hashing import ALGORITHMS, HASH_NAME, XXH3_128, HashAlgorithm, check_digest, hash_algorithm
 from .names import validate_name
 
 _json_str = json.encoder.encode_basestring  # json.dumps' string writer (ensure_ascii=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import UnsupportedTypeError
+from ..errors import UnsupportedTypeError
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .errors import FormatError
+from ..errors import FormatError
 from .hashing import digest
 
 SEAL_FIELD = "self_digest"

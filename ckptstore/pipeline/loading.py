@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from . import tree as tree_mod
+from ..errors import FormatError, KeyMismatchError
+from ..format import tree as tree_mod
+from ..format.manifest import Manifest, TensorEntry
+from ..format.shard import Shard
 from .collector import paused_collector
-from .errors import FormatError, KeyMismatchError
-from .manifest import Manifest, TensorEntry
 from .reader import CheckpointReader, ReadTarget
-from .sharding import Shard
 
 Finish = Callable[[], None] | None
 
@@ -73,7 +73,7 @@ def _numpy_into(dest: np.ndarray, entry: TensorEntry) -> tuple[Any, np.ndarray, 
 @functools.cache
 def _torch_interop() -> Any:
     """The torch side, imported on first use (importing it imports torch)."""
-    from . import torch_interop
+    from ..format import torch_types as torch_interop
 
     return torch_interop
 

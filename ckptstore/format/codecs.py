@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FormatError, IntegrityError
+from ..errors import FormatError, IntegrityError
 
 CODEC_IDS = ("zstd", "lz4", "blosc")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidNameError
+from ..errors import InvalidNameError
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _KEY_PART_RE = re.compile(r"[A-Za-z0-9._-]+")

@@ -13,7 +13,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .errors import FormatError
+from ..errors import FormatError
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 import xxhash
 
-from .errors import FormatError
+from ..errors import FormatError
 
 HASH_NAME = "xxh3-128"
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import UnsupportedTypeError
 from . import dtypes
 from .dtypes import DType
-from .errors import UnsupportedTypeError
-from .sharding import Shard
+from .shard import Shard
 
 Path = tuple[str | int, ...]
 
@@ -85,7 +85,7 @@ _ARRAY_TYPES: set[type] = set()  # classes already seen to be stored as arrays (
 @functools.cache
 def _tensor_leaf_fn() -> Callable[[Any, str], ArrayLeaf]:
     """torch_interop.tensor_leaf, imported when first needed (the only module importing torch)."""
-    from . import torch_interop
+    from . import torch_types as torch_interop
 
     return torch_interop.tensor_leaf
 

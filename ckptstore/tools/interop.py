@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from . import leases
-from .errors import CkptStoreError, FormatError
-from .repository import CheckpointStore
+from ..errors import CkptStoreError, FormatError
+from ..maintenance import leases
+from ..repository import CheckpointStore
 
 FORMATS = ("safetensors", "torch", "dcp")
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")

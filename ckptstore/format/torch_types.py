@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UnsupportedTypeError
 from . import dtypes
-from .errors import UnsupportedTypeError
 from .manifest import TensorEntry
 from .tree import ArrayLeaf
 

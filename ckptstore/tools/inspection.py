@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes
-from .manifest import Manifest, TensorEntry
-from .tree import key_string, node_kind
+from ..format import dtypes
+from ..format.manifest import Manifest, TensorEntry
+from ..format.tree import key_string, node_kind
 
 
 # --------------------------------------------------------------------------- leaves

@@ -46,8 +46,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .errors import CkptStoreError, ObjectNotFoundError, StoreError
-from .stores.base import ObjectInfo, Store
+from ..errors import CkptStoreError, ObjectNotFoundError, StoreError
+from ..stores.base import ObjectInfo, Store
 
 LOCK_PREFIX = "locks/"
 SWEEP_KEY = f"{LOCK_PREFIX}sweep.json"

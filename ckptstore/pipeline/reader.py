@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import IntegrityError, ObjectNotFoundError
+from ..format.hashing import XXH3_128, HashAlgorithm, blob_key
+from ..format.manifest import ChunkRef, TensorEntry
+from ..stores.base import Store
 from .budget import ByteBudget
-from .errors import IntegrityError, ObjectNotFoundError
-from .hashing import XXH3_128, HashAlgorithm, blob_key
-from .manifest import ChunkRef, TensorEntry
-from .stores.base import Store
 
 MiB = 1 << 20
 MERGE_GAP = 1 * MiB  # read across gaps up to this size instead of issuing another request

@@ -29,11 +29,11 @@ from zarr.abc.store import (
 )
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
-from .manifest import Manifest, TensorEntry
-from .reader import CheckpointReader, ReadTarget
+from ..format.manifest import Manifest, TensorEntry
+from ..pipeline.reader import CheckpointReader, ReadTarget
 
 if TYPE_CHECKING:
-    from .repository import CheckpointStore
+    from ..repository import CheckpointStore
 
 
 def node_name(key: str) -> str:

@@ -24,19 +24,19 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from . import leases
-from .budget import ByteBudget
-from .errors import (
+from ..errors import (
     CheckpointExistsError,
     FormatError,
     IntegrityError,
     ObjectExistsError,
     ObjectNotFoundError,
 )
-from .hashing import blob_key, is_digest
-from .maintenance import BLOB_PREFIX
-from .manifest import Manifest, parse_manifest
-from .repository import CheckpointStore, manifest_key
+from ..format.hashing import blob_key, is_digest
+from ..format.manifest import Manifest, parse_manifest
+from ..maintenance import leases
+from ..maintenance.checks import BLOB_PREFIX
+from ..pipeline.budget import ByteBudget
+from ..repository import CheckpointStore, manifest_key
 
 MiB = 1 << 20
 
