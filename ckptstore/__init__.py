@@ -42,8 +42,7 @@ from .repository import CheckpointInfo, CheckpointStore, SaveHandle
 from .stores import LocalStore, MemoryStore, ObjectInfo, Store, open_store
 from .training.retention import Retention
 from .training.rng import RNGState
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "CheckpointExistsError", "CheckpointInfo", "CheckpointManager", "CheckpointNotFoundError",
@@ -51,8 +50,8 @@ __all__ = [
     "IntegrityError", "InvalidNameError", "KeyMismatchError", "LocalStore", "MemoryStore",
     "ObjectExistsError", "ObjectInfo", "ObjectNotFoundError", "RNGState",
     "RepositoryNotFoundError", "Retention", "SaveHandle", "SaveInfo", "Shard", "Store",
-    "StoreAccessError", "StoreError", "UnsupportedTypeError", "VerifyReport", "open_store",
-    "zarr_store",
+    "StoreAccessError", "StoreError", "UnsupportedTypeError", "VerifyReport", "__version__",
+    "open_store", "zarr_store",
 ]  # fmt: skip
 
 

@@ -20,9 +20,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .collector import paused_collector, quiet_collector
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CkptStoreError,
     FormatError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -32,21 +34,18 @@ from .errors import (
 )
 from .format.canonical import canonical_json
 from .format.codecs import Codec, codec_option
-from .format.hashing import HASH_NAME, HashAlgorithm, blob_key, hash_algorithm
+from .format.hashing import HASH_NAME, HashAlgorithm, hash_algorithm
 from .format.manifest import MAX_MANIFEST_BYTES, Manifest, committed_manifest, parse_manifest
 from .format.names import validate_name
 from .format.tree import TreeEncoder
-from .maintenance import checks as maintenance
-from .maintenance import leases
-from .pipeline.collector import paused_collector, quiet_collector
+from .layout import MANIFEST_PREFIX, MARKER_KEY, blob_key, manifest_key, name_of_manifest_key
+from .maintenance import checks, leases
 from .pipeline.loading import load_state
 from .pipeline.reader import CheckpointReader, LoadOptions
 from .pipeline.staging import StagingArena
 from .pipeline.writer import CheckpointWriter, KnownChunks, SaveInfo, SaveOptions
 from .stores import Store, open_store
 
-MARKER_KEY = "ckptstore.json"
-MANIFEST_PREFIX = "checkpoints/"
 REPO_FORMAT = "ckptstore"
 REPO_VERSION = 1
 _MARKER = {"format": REPO_FORMAT, "version": REPO_VERSION, "hash": HASH_NAME}
@@ -57,10 +56,6 @@ _HEADER_BYTES = 96
 #: A save's manifest is created at least this long after the newest checkpoint it saw.
 COMMIT_ORDER_STEP = 1e-3
 log = logging.getLogger("ckptstore")
-
-
-def manifest_key(name: str) -> str:
-    return f"{MANIFEST_PREFIX}{validate_name(name)}.json"
 
 
 @dataclass(frozen=True)
@@ -254,13 +249,11 @@ class CheckpointStore:
         (`._step-1.json`, `step 1.json`, sub-folders) are skipped, or added to `problems`."""
         out = {}
         for info in self.store.list(MANIFEST_PREFIX):
-            rest = info.key[len(MANIFEST_PREFIX):]
-            name = rest[: -len(".json")] if rest.endswith(".json") else ""
-            try:
-                out[validate_name(name)] = info.size
-            except ValueError:
-                if problems is not None:
-                    problems.append(ManifestProblem(info.key, "not a checkpoint name: ignored"))
+            name = name_of_manifest_key(info.key)
+            if name is not None:
+                out[name] = info.size
+            elif problems is not None:
+                problems.append(ManifestProblem(info.key, "not a checkpoint name: ignored"))
         return out
 
     def list(self) -> list[CheckpointInfo]:
@@ -559,18 +552,33 @@ class CheckpointStore:
             return load_state(reader, manifest, into=into, keys=keys, strict=strict)
 
     # ------------------------------------------------------------------ maintenance
-    def verify(self, name: str = LATEST, *, sample: float = 1.0) -> maintenance.VerifyReport:
+    def verify(self, name: str = LATEST, *, sample: float = 1.0) -> checks.VerifyReport:
         """Re-read and re-hash every blob the checkpoint references (or a random `sample`
         fraction of them). Returns a report; `report.ok` is False on any bad or missing blob."""
-        return maintenance.verify(self, [self.manifest(name)], sample=sample)
+        return checks.verify(self.store, [self.manifest(name)], self.hash, sample=sample)
 
-    def gc(self, grace_seconds: float = 3600.0, dry_run: bool = False) -> maintenance.GcReport:
-        """Delete blobs no manifest references that are older than `grace_seconds`. Raises
-        LeaseBusyError (nothing deleted) while a save holds a lease on this store."""
+    def referenced_blobs(self) -> set[str]:
+        """Every blob referenced by a committed manifest. Raises CkptStoreError if a manifest
+        with a checkpoint name cannot be read: it could reference anything."""
+        refs: set[str] = set()
+        for name in self.names():
+            try:
+                refs |= self.manifest(name).blob_digests()
+            except CheckpointNotFoundError:
+                continue  # deleted meanwhile: its blobs may go
+            except CkptStoreError as exc:
+                raise CkptStoreError(f"gc stopped, nothing deleted: {exc}") from exc
+        return refs
+
+    def gc(self, grace_seconds: float = 3600.0, dry_run: bool = False, *,
+           now: float | None = None) -> checks.GcReport:
+        """Delete blobs no manifest references that are older than `grace_seconds` (and than
+        checks.MIN_BLOB_AGE), ages read on the store's clock (`now` overrides it: tests).
+        Raises LeaseBusyError (nothing deleted) while a save holds a lease on this store."""
         if dry_run:
-            return maintenance.gc(self, grace_seconds=grace_seconds, dry_run=True)
+            return checks.gc(self.store, self.referenced_blobs, grace_seconds, True, now)
         with leases.gc_lease(self.store):
-            return maintenance.gc(self, grace_seconds=grace_seconds, dry_run=False)
+            return checks.gc(self.store, self.referenced_blobs, grace_seconds, False, now)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

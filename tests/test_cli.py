@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from ckptstore import CheckpointStore
-from ckptstore.format.hashing import blob_key
+from ckptstore.layout import blob_key
 from ckptstore.maintenance.checks import MIN_BLOB_AGE
 
 TIMEOUT = 120

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.maintenance.checks import TEMP_MIN_AGE, gc
+from ckptstore.maintenance.checks import TEMP_MIN_AGE
 
 WRITER = textwrap.dedent("""
     import sys, torch, ckptstore
@@ -59,7 +59,7 @@ def test_sigkill_mid_save_leaves_only_whole_checkpoints(tmp_path, delay):
         assert all(torch.equal(s, torch.full((7,), float(step))) for s in state["small"])
     # a rerun continues without tripping over leftovers, and gc cleans what the kill left
     names = {c.name for c in repo.list()}
-    report = gc(repo, grace_seconds=0, now=time.time() + 2 * TEMP_MIN_AGE)
+    report = repo.gc(grace_seconds=0, now=time.time() + 2 * TEMP_MIN_AGE)
     assert {c.name for c in repo.list()} == names
     for name in names:
         assert repo.verify(name).ok

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, CkptStoreError
-from ckptstore.maintenance.checks import MIN_BLOB_AGE, gc
+from ckptstore.maintenance.checks import MIN_BLOB_AGE
 
 
 def test_gc_frees_only_unreferenced_old_blobs(store_uri, store_options):
@@ -22,14 +22,14 @@ def test_gc_frees_only_unreferenced_old_blobs(store_uri, store_options):
     assert [c.name for c in repo.list()] == ["b"]
     young = repo.gc(grace_seconds=3600)
     assert young.deleted_blobs == 0 and young.kept_young_blobs == len(blobs_a - blobs_b)
-    dry = gc(repo, grace_seconds=0, dry_run=True, now=time.time() + 2 * MIN_BLOB_AGE)
+    dry = repo.gc(grace_seconds=0, dry_run=True, now=time.time() + 2 * MIN_BLOB_AGE)
     assert set(dry.deleted) == blobs_a - blobs_b
     assert all(repo.store.exists(f"blobs/{d[:2]}/{d}") for d in blobs_a)
-    report = gc(repo, grace_seconds=0, now=time.time() + 2 * MIN_BLOB_AGE)
+    report = repo.gc(grace_seconds=0, now=time.time() + 2 * MIN_BLOB_AGE)
     assert set(report.deleted) == blobs_a - blobs_b and report.freed_bytes > 0
     assert torch.equal(repo.load("b")["shared"], shared)
     assert repo.verify("b").ok
-    assert gc(repo, grace_seconds=0, now=time.time() + 2 * MIN_BLOB_AGE).deleted_blobs == 0
+    assert repo.gc(grace_seconds=0, now=time.time() + 2 * MIN_BLOB_AGE).deleted_blobs == 0
     repo.close()
 
 
@@ -40,7 +40,7 @@ def test_gc_stops_on_unreadable_manifest(tmp_path):
     (tmp_path / "r" / "checkpoints" / "a.json").write_text("{broken")
     fresh = CheckpointStore(tmp_path / "r")
     with pytest.raises(CkptStoreError, match="nothing deleted"):
-        gc(fresh, grace_seconds=0, now=time.time() + 2 * MIN_BLOB_AGE)
+        fresh.gc(grace_seconds=0, now=time.time() + 2 * MIN_BLOB_AGE)
     assert fresh.verify("b").ok
 
 
@@ -48,5 +48,5 @@ def test_gc_leaves_foreign_objects_alone(tmp_path):
     repo = CheckpointStore(tmp_path / "r")
     repo.store.put("blobs/zz/not-a-digest", b"keep me")
     repo.store.put("notes.txt", b"keep me too")
-    gc(repo, grace_seconds=0, now=time.time() + 2 * MIN_BLOB_AGE)
+    repo.gc(grace_seconds=0, now=time.time() + 2 * MIN_BLOB_AGE)
     assert repo.store.exists("blobs/zz/not-a-digest") and repo.store.exists("notes.txt")

@@ -1,4 +1,4 @@
-"""Saves and loads keep the cyclic garbage collector cheap (pipeline/collector.py) and always
+"""Saves and loads keep the cyclic garbage collector cheap (collector.py) and always
 give it back as found: paused only for short CPU-bound steps, never across I/O; frozen
 objects unfrozen at the end, and a host's own freeze left alone."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointExistsError, CheckpointStore
-from ckptstore.pipeline.collector import paused_collector as gc_paused
-from ckptstore.pipeline.collector import quiet_collector
+from ckptstore.collector import paused_collector as gc_paused
+from ckptstore.collector import quiet_collector
 
 
 @pytest.fixture

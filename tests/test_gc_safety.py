@@ -26,6 +26,7 @@ def test_a_chunk_that_comes_back_after_delete_and_gc_is_written_again(tmp_path) 
     repo.save("a", {"x": x})
     repo.save("b", {"x": x + 1})
     repo.delete("a")
-    assert maintenance.gc(repo, grace_seconds=0, now=1e10).deleted_blobs > 0
+    report = maintenance.gc(repo.store, repo.referenced_blobs, grace_seconds=0, now=1e10)
+    assert report.deleted_blobs > 0
     repo.save("c", {"x": x})  # the same content as the deleted `a`
     assert np.array_equal(repo.load("c")["x"], x)

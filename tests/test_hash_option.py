@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, FormatError, IntegrityError
-from ckptstore.format.hashing import blob_key
+from ckptstore.layout import blob_key
 from ckptstore.tools.copying import copy_checkpoints
 
 from .helpers import assert_same, sealed_manifest

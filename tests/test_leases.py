@@ -147,7 +147,7 @@ class _GcBeforeCommit(MemoryStore):
             other = CheckpointStore(MemoryStore(self.uri[len("memory://"):]), create=False)
             try:
                 with gc_lease(self, wait=0):
-                    maintenance.gc(other, grace_seconds=0)
+                    maintenance.gc(other.store, other.referenced_blobs, grace_seconds=0)
             except LeaseBusyError:
                 pass
         super().create(key, data)

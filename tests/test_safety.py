@@ -20,7 +20,7 @@ from ckptstore import (
     RepositoryNotFoundError,
     StoreError,
 )
-from ckptstore.format.hashing import blob_key
+from ckptstore.layout import blob_key
 from ckptstore.stores import LocalStore, MemoryStore
 
 from .helpers import sealed_manifest

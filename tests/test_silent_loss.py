@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointManager, CheckpointStore, UnsupportedTypeError
-from ckptstore.format.hashing import blob_key
+from ckptstore.layout import blob_key
 from ckptstore.maintenance import leases
 from ckptstore.maintenance.checks import MIN_BLOB_AGE
 from ckptstore.pipeline.writer import CheckpointWriter

@@ -9,7 +9,7 @@ import zarr
 
 import ckptstore
 from ckptstore import CheckpointStore, IntegrityError
-from ckptstore.format.hashing import blob_key
+from ckptstore.layout import blob_key
 
 
 @pytest.mark.parametrize("compression", [None, "zstd", "blosc"])

@@ -28,16 +28,18 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ..redact import redact_text
+from .exits import (
+    EXIT_BUSY,
+    EXIT_ERROR,
+    EXIT_FOUND,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    UsageError,
+    one_line,
+)
 
-EXIT_OK = 0
-EXIT_FOUND = 1
-EXIT_ERROR = 2
-EXIT_BUSY = 75
-EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """Bad command-line arguments (one line, exit 2)."""
+__all__ = ["EXIT_BUSY", "EXIT_ERROR", "EXIT_FOUND", "EXIT_INTERRUPTED", "EXIT_OK", "UsageError",
+           "build_parser", "main", "one_line"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,7 +75,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from ..version import __version__
 
     common = _Parser(add_help=False)
     g = common.add_argument_group("common options")
@@ -171,12 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow reading a DCP directory, whose .metadata is a pickle that can "
                         "run code: only for sources you trust")
     return parser
-
-
-def one_line(exc: BaseException) -> str:
-    """An error as one line for stderr, every URL in it redacted."""
-    text = str(exc).strip() or type(exc).__name__
-    return redact_text(" ".join(text.split()))
 
 
 def debug_enabled() -> bool:

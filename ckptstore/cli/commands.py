@@ -18,13 +18,14 @@ from ..errors import (
     RepositoryNotFoundError,
 )
 from ..format.manifest import Manifest
+from ..layout import BLOB_PREFIX, MANIFEST_PREFIX, manifest_key
 from ..maintenance import checks as maintenance
 from ..maintenance import leases
 from ..redact import redact_uri
-from ..repository import MANIFEST_PREFIX, CheckpointStore, manifest_key
+from ..repository import CheckpointStore
 from ..stores import open_store
 from ..tools import inspection
-from . import EXIT_BUSY, EXIT_ERROR, EXIT_FOUND, EXIT_OK, UsageError, one_line
+from .exits import EXIT_BUSY, EXIT_ERROR, EXIT_FOUND, EXIT_OK, UsageError, one_line
 from .output import Output, finite, human_bytes, iso_time, line, table
 
 
@@ -262,9 +263,9 @@ def cmd_du(args: argparse.Namespace, out: Output) -> int:
     with open_repo(args.uri, args) as repo:
         manifests, errors = load_manifests(repo)
         sizes: dict[str, int] = {}
-        for info in repo.store.list(maintenance.BLOB_PREFIX):
+        for info in repo.store.list(BLOB_PREFIX):
             sizes[info.key.rsplit("/", 1)[-1]] = info.size
-        manifest_bytes = sum(i.size for i in repo.store.list("checkpoints/"))
+        manifest_bytes = sum(i.size for i in repo.store.list(MANIFEST_PREFIX))
         use = inspection.usage(manifests, sizes)
         rows: list[dict[str, Any]] = [{"name": u.name, "logical_bytes": u.logical_bytes,
                  "referenced_bytes": u.referenced_bytes, "unique_bytes": u.unique_bytes,
@@ -320,7 +321,7 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
         blobs = len({c.blob for m in manifests for t in m.tensors for c in t.chunks})
         expected = blobs if args.sample >= 1 else max(1, round(blobs * args.sample)) if blobs else 0
         with out.progress("verifying blobs", total=expected, unit="blobs") as bar:
-            report = maintenance.verify(repo, manifests, sample=args.sample,
+            report = maintenance.verify(repo.store, manifests, repo.hash, sample=args.sample,
                                         workers=args.workers, progress=bar.advance)
         problems: list[dict[str, Any]] = [{"blob": p.blob, "problem": p.problem,
                                            "detail": p.detail,
@@ -365,12 +366,12 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
     with open_repo(args.uri, args) as repo:
         busy = [lease for lease in leases.list_leases(repo.store) if lease.kind == "save"]
         if args.dry_run:
-            report = maintenance.gc(repo, grace_seconds=args.grace, dry_run=True)
+            report = repo.gc(args.grace, dry_run=True)
             stale = 0
         else:
             with out.progress("collecting garbage", unit="blobs"):
                 with leases.gc_lease(repo.store, wait=args.wait):
-                    report = maintenance.gc(repo, grace_seconds=args.grace, dry_run=False)
+                    report = maintenance.gc(repo.store, repo.referenced_blobs, args.grace)
                     stale = leases.remove_stale(repo.store)
             busy = []
         doc = {"uri": repo.uri, "dry_run": report.dry_run, "grace_seconds": args.grace,
@@ -437,7 +438,7 @@ def cmd_cp(args: argparse.Namespace, out: Output) -> int:
         problems: list[dict[str, Any]] = []
         if args.verify and report.copied + report.skipped:
             manifests = [dst.manifest(n) for n in report.copied + report.skipped]
-            vr = maintenance.verify(dst, manifests, workers=args.workers)
+            vr = maintenance.verify(dst.store, manifests, dst.hash, workers=args.workers)
             verified = vr.ok
             problems = [{"blob": p.blob, "problem": p.problem, "checkpoints": list(p.checkpoints),
                          "keys": list(p.keys)} for p in vr.problems]

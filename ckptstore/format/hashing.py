@@ -75,9 +75,3 @@ def check_digest(value: object, where: str) -> str:
         raise FormatError(f"{where}: {value!r} is not an {HASH_NAME} hex digest")
     assert isinstance(value, str)
     return value
-
-
-def blob_key(hex_digest: str) -> str:
-    """Store key of the blob with this digest: blobs/ab/ab12...ef."""
-    check_digest(hex_digest, "blob key")
-    return f"blobs/{hex_digest[:2]}/{hex_digest}"

@@ -15,8 +15,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..collector import paused_collector
 from ..errors import FormatError
-from ..pipeline.collector import paused_collector
 from .canonical import SEAL_FIELD, canonical_str, check_seal, is_sealed, seal
 from .codecs import Codec, parse_codec
 from .dtypes import DTYPES, DType, by_name

@@ -10,8 +10,8 @@ import torch
 
 from ..errors import UnsupportedTypeError
 from . import dtypes
+from .leaf import ArrayLeaf
 from .manifest import TensorEntry
-from .tree import ArrayLeaf
 
 # torch dtypes numpy lacks are viewed as unsigned ints of the same width
 _BITS_VIEW = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}

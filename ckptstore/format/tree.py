@@ -14,60 +14,19 @@ Node forms (each a one-field JSON object):
 from __future__ import annotations
 
 import functools
-import operator
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..errors import UnsupportedTypeError
 from . import dtypes
-from .dtypes import DType
+from .leaf import ArrayLeaf
 from .shard import Shard
 
 Path = tuple[str | int, ...]
-
-
-@dataclass
-class ArrayLeaf:
-    """An array to store. `array` holds the raw element bits in `dtype.storage` (little-endian),
-    with the leaf's logical shape and any strides; it is a view of the caller's memory."""
-
-    key: str
-    kind: str  # "torch" | "numpy" | "bytes"
-    dtype: DType
-    array: np.ndarray
-    requires_grad: bool = False
-    parameter: bool = False
-    storage_identity: tuple[int, int] | None = None  # (storage address, storage bytes): torch
-    storage_offset: int = 0  # elements
-    storage_stride: tuple[int, ...] = ()
-    global_shape: tuple[int, ...] | None = None  # set when `array` is only some rows (a shard)
-    row_offset: int = 0  # first global row of `array` when sharded
-
-    @property
-    def is_partial(self) -> bool:
-        """True if this process holds only some rows of the stored tensor."""
-        return self.global_shape is not None and tuple(self.array.shape) != self.global_shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.array.nbytes
-
-    def with_array(self, array: np.ndarray) -> ArrayLeaf:
-        """A copy of this leaf whose `array` is `array` (every other field kept). Twice as fast
-        as `dataclasses.replace`, and unlike reading `__dict__` it leaves no dict behind per
-        leaf for the cyclic GC to scan: this runs for every leaf of an async save."""
-        values = list(_leaf_values(self))
-        values[_ARRAY_FIELD] = array
-        return ArrayLeaf(*values)
-
-
-_LEAF_FIELDS = tuple(f.name for f in fields(ArrayLeaf))
-_leaf_values = operator.attrgetter(*_LEAF_FIELDS)
-_ARRAY_FIELD = _LEAF_FIELDS.index("array")
 
 
 def key_string(path: Path) -> str:

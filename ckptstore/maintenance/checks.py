@@ -1,4 +1,5 @@
-"""Verification and garbage collection over a repository's store.
+"""Verification and garbage collection over a store, given its manifests (or a function that
+lists what they reference): this module never sees a CheckpointStore.
 
 GC safety (docs/format.md): a blob is deleted only if no manifest references it and it is older
 than the grace period, and never younger than MIN_BLOB_AGE whatever the grace period says;
@@ -15,20 +16,19 @@ import concurrent.futures as cf
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-from ..errors import CkptStoreError, IntegrityError, ObjectNotFoundError, StoreError
-from ..format.hashing import blob_key, is_digest
+from ..errors import IntegrityError, ObjectNotFoundError, StoreError
+from ..format.hashing import XXH3_128, HashAlgorithm
 from ..format.manifest import ChunkRef, Manifest, TensorEntry
+from ..layout import BLOB_PREFIX, blob_key, blob_of_key
+from ..stores.base import Buffer, Store
 from . import leases
 
-if TYPE_CHECKING:
-    from ..repository import CheckpointStore
-
-BLOB_PREFIX = "blobs/"
 #: Temp files (`.tmp-*`, a write in progress) are removed only when at least this old,
 #: whatever the grace period: a live writer's temp file exists for seconds, and deleting it
 #: would fail that write (a lease refresh, a blob put).
@@ -68,17 +68,16 @@ class VerifyReport:
                                  f"({p.problem}: {p.detail}) used by {list(p.keys)[:5]}")
 
 
-def _check_blob(repo: CheckpointStore, blob: str,
+def _check_blob(store: Store, hash_of: Callable[[Buffer], str], blob: str,
                 uses: list[tuple[str, TensorEntry, ChunkRef]]) -> tuple[int, str, str]:
     """Read a whole blob, check its digest and every chunk that lives in it. Returns
     (bytes read, "ok", "") if good, else (bytes read, problem, detail)."""
     try:
-        data = repo.store.get(blob_key(blob))
+        data = store.get(blob_key(blob))
     except ObjectNotFoundError:
         return (0, "missing", "blob does not exist")
     except StoreError as exc:
         return (0, "unreadable", str(exc))
-    hash_of = repo.save_options.hash.digest
     if hash_of(data) != blob:
         return (len(data), "corrupt", "content does not match its digest")
     view = memoryview(data)
@@ -103,8 +102,10 @@ def _check_blob(repo: CheckpointStore, blob: str,
     return (len(data), "ok", "")
 
 
-def verify(repo: CheckpointStore, manifests: list[Manifest], sample: float = 1.0,
-           workers: int = 8, progress=None) -> VerifyReport:
+def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = XXH3_128,
+           sample: float = 1.0,
+           workers: int = 8,
+           progress: Callable[[int], Any] | None = None) -> VerifyReport:
     """Check every blob the manifests reference (or a random `sample` fraction)."""
     if not 0 < sample <= 1:
         raise ValueError("sample must be in (0, 1]")
@@ -119,7 +120,8 @@ def verify(repo: CheckpointStore, manifests: list[Manifest], sample: float = 1.0
         blobs = random.sample(blobs, max(1, round(len(blobs) * sample))) if blobs else []
     report = VerifyReport([m.name for m in manifests])
     with cf.ThreadPoolExecutor(workers) as pool:
-        futures = {pool.submit(_check_blob, repo, b, uses[b]): b for b in blobs}
+        futures = {pool.submit(_check_blob, store, algorithm.digest, b, uses[b]): b
+                   for b in blobs}
         for fut in cf.as_completed(futures):
             blob = futures[fut]
             result = fut.result()
@@ -150,65 +152,52 @@ class GcReport:
     min_age_seconds: float = 0.0  # the age a blob needed: max(grace period, MIN_BLOB_AGE)
 
 
-def referenced_blobs(repo: CheckpointStore) -> set[str]:
-    """Every blob referenced by any committed manifest. Raises if a manifest is unreadable."""
-    refs: set[str] = set()
-    for name in repo.names():
-        try:
-            m = repo.manifest(name)
-        except CkptStoreError as exc:
-            if isinstance(exc, FileNotFoundError):
-                continue  # deleted meanwhile: its blobs may go
-            raise CkptStoreError(f"gc stopped, nothing deleted: {exc}") from exc
-        refs |= m.blob_digests()
-    return refs
-
-
-def gc(repo: CheckpointStore, grace_seconds: float = 3600.0, dry_run: bool = False,
-       now: float | None = None) -> GcReport:
-    """Delete unreferenced blobs older than max(`grace_seconds`, MIN_BLOB_AGE) (see the module
-    docstring). `now` is the store's current time (default: read from the store)."""
+def gc(store: Store, referenced: Callable[[], set[str]], grace_seconds: float = 3600.0,
+       dry_run: bool = False, now: float | None = None) -> GcReport:
+    """Delete blobs of `store` that `referenced()` (every blob any manifest references; it
+    raises, and nothing is deleted, if a manifest cannot be read) does not name and that are
+    older than max(`grace_seconds`, MIN_BLOB_AGE) (see the module docstring). `now` is the
+    store's current time (default: read from the store). The caller holds a gc lease."""
     if grace_seconds < 0:
         raise ValueError("grace period must be >= 0")
     t0 = time.perf_counter()
     if now is None:
-        now = leases.store_clock(repo.store)
+        now = leases.store_clock(store)
     report = GcReport(dry_run=dry_run, min_age_seconds=max(grace_seconds, MIN_BLOB_AGE))
-    refs = referenced_blobs(repo)
-    listed = list(repo.store.list(BLOB_PREFIX))
+    refs = referenced()
+    listed = list(store.list(BLOB_PREFIX))
     cutoff = now - report.min_age_seconds
     candidates = []
     for info in listed:
-        name = info.key.rsplit("/", 1)[-1]
-        if not is_digest(name) or info.key != blob_key(name):
+        name = blob_of_key(info.key)
+        if name is None:
             continue  # not ours: leave it alone
         if name in refs:
             continue
         if info.mtime > cutoff:
             report.kept_young_blobs += 1
             continue
-        candidates.append(info)
-    refs |= referenced_blobs(repo)  # second look: checkpoints committed while we listed
+        candidates.append((name, info))
+    refs |= referenced()  # second look: checkpoints committed while we listed
     report.referenced_blobs = len(refs)
-    for info in candidates:
-        name = info.key.rsplit("/", 1)[-1]
+    for name, info in candidates:
         if name in refs:
             continue
         if not dry_run:
-            repo.store.delete(info.key)
+            store.delete(info.key)
         report.deleted_blobs += 1
         report.freed_bytes += info.size
         report.deleted.append(name)
-    temp_files = getattr(repo.store, "temp_files", None)
+    temp_files = getattr(store, "temp_files", None)
     temp_cutoff = min(cutoff, now - TEMP_MIN_AGE)
     if temp_files is not None:
         for info in list(temp_files()):
             if info.mtime <= temp_cutoff:
                 if not dry_run:
-                    repo.store.delete_temp(info.key)  # type: ignore[attr-defined]
+                    store.delete_temp(info.key)  # type: ignore[attr-defined]
                 report.deleted_temp_files += 1
                 report.freed_bytes += info.size
     if not dry_run:
-        repo.store.sync()
+        store.sync()
     report.seconds = time.perf_counter() - t0
     return report

@@ -47,11 +47,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import CkptStoreError, ObjectNotFoundError, StoreError
+from ..layout import LEASE_KINDS, LOCK_PREFIX, SWEEP_KEY, clock_probe_key, lease_key, lease_kind
 from ..stores.base import ObjectInfo, Store
 
-LOCK_PREFIX = "locks/"
-SWEEP_KEY = f"{LOCK_PREFIX}sweep.json"
-KINDS = ("save", "gc")
+KINDS = LEASE_KINDS
 STALE_AFTER = 300.0
 REFRESH = 30.0
 #: Added to `stale_after` before a lease counts as stale: the store clock's granularity and
@@ -99,19 +98,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _parse_key(key: str) -> str | None:
-    name = key[len(LOCK_PREFIX):]
-    kind, sep, rest = name.partition("-")
-    if not sep or kind not in KINDS or not rest.endswith(".json") or "/" in rest:
-        return None
-    return kind
-
-
 def store_clock(store: Store) -> float:
     """The store's current time: the modification time of a probe object written and removed
     here. Falls back to this host's clock where nothing can be written (a read-only store:
     then nothing is deleted on its judgement either)."""
-    key = f"{LOCK_PREFIX}clock-{uuid.uuid4().hex}.json"
+    key = clock_probe_key(uuid.uuid4().hex)
     try:
         store.put(key, b"{}")
     except CkptStoreError:
@@ -138,7 +129,7 @@ def _judge(store: Store, listing: list[ObjectInfo], now: float, stale_after: flo
            include_stale: bool) -> list[LeaseInfo]:
     out = []
     for info in listing:
-        kind = _parse_key(info.key)
+        kind = lease_kind(info.key)
         if kind is None:
             continue
         age = now - info.mtime
@@ -183,7 +174,7 @@ class Lease:
         self.kind = kind
         self.stale_after = stale_after
         self.refresh = refresh if refresh is not None else min(REFRESH, stale_after / 4)
-        self.key = f"{LOCK_PREFIX}{kind}-{uuid.uuid4().hex}.json"
+        self.key = lease_key(kind, uuid.uuid4().hex)
         self._body = json.dumps({"kind": kind, "host": _HOST, "pid": os.getpid(),
                                  "pidns": _PIDNS, "created": time.time()},
                                 sort_keys=True).encode()

@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from ..collector import paused_collector
 from ..errors import FormatError, KeyMismatchError
 from ..format import tree as tree_mod
 from ..format.manifest import Manifest, TensorEntry
 from ..format.shard import Shard
-from .collector import paused_collector
 from .reader import CheckpointReader, ReadTarget
 
 Finish = Callable[[], None] | None

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import IntegrityError, ObjectNotFoundError
-from ..format.hashing import XXH3_128, HashAlgorithm, blob_key
+from ..format.hashing import XXH3_128, HashAlgorithm
 from ..format.manifest import ChunkRef, TensorEntry
+from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
 

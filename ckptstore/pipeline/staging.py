@@ -8,7 +8,7 @@ import concurrent.futures as cf
 
 import numpy as np
 
-from ..format.tree import ArrayLeaf
+from ..format.leaf import ArrayLeaf
 
 ALIGN = 64
 SPLIT_BYTES = 32 << 20  # copies larger than this are split across threads

@@ -27,9 +27,10 @@ import numpy as np
 from ..errors import CheckpointExistsError, CkptStoreError, ObjectExistsError, UnsupportedTypeError
 from ..format.codecs import Codec
 from ..format.dtypes import DType
-from ..format.hashing import XXH3_128, HashAlgorithm, blob_key
+from ..format.hashing import XXH3_128, HashAlgorithm
+from ..format.leaf import ArrayLeaf
 from ..format.manifest import ChunkRef, Manifest, StorageRef, TensorEntry, expected_chunk_count
-from ..format.tree import ArrayLeaf
+from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
 

@@ -31,12 +31,11 @@ from ..errors import (
     ObjectExistsError,
     ObjectNotFoundError,
 )
-from ..format.hashing import blob_key, is_digest
 from ..format.manifest import Manifest, parse_manifest
+from ..layout import BLOB_PREFIX, blob_key, blob_of_key, manifest_key
 from ..maintenance import leases
-from ..maintenance.checks import BLOB_PREFIX
 from ..pipeline.budget import ByteBudget
-from ..repository import CheckpointStore, manifest_key
+from ..repository import CheckpointStore
 
 MiB = 1 << 20
 
@@ -66,12 +65,8 @@ def resolve_names(repo: CheckpointStore, names: Iterable[str]) -> list[str]:
 
 
 def _listed_blobs(repo: CheckpointStore) -> set[str]:
-    out = set()
-    for info in repo.store.list(BLOB_PREFIX):
-        name = info.key.rsplit("/", 1)[-1]
-        if is_digest(name) and info.key == blob_key(name):
-            out.add(name)
-    return out
+    return {name for info in repo.store.list(BLOB_PREFIX)
+            if (name := blob_of_key(info.key)) is not None}
 
 
 def copy_checkpoints(src: CheckpointStore, dst: CheckpointStore, names: Iterable[str], *,

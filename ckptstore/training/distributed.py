@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ..errors import CkptStoreError
 from ..format.canonical import canonical_json
+from ..format.leaf import ArrayLeaf
 from ..format.manifest import ChunkRef, Manifest
-from ..format.tree import ArrayLeaf
 from ..pipeline.writer import (
     CheckpointWriter,
     LeafPlan,

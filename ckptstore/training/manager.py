@@ -27,10 +27,9 @@ from typing import Any
 import torch
 
 from ..errors import CkptStoreError, FormatError, IntegrityError, KeyMismatchError
-from ..format.hashing import blob_key
 from ..format.tree import flatten_arrays
+from ..layout import blob_key
 from ..maintenance import leases
-from ..maintenance.checks import referenced_blobs
 from ..pipeline.writer import SaveInfo
 from ..repository import CheckpointStore, SaveHandle, SaveHooks
 from . import distributed as cdist
@@ -137,7 +136,7 @@ class CheckpointManager:
         # (Runs after this save's own lease is released: see CheckpointStore._write.)
         try:
             with leases.gc_lease(self.repo.store, wait=0):
-                still_used = referenced_blobs(self.repo)
+                still_used = self.repo.referenced_blobs()
                 for blob in doomed - still_used:
                     self.repo.store.delete(blob_key(blob))
                 self.repo.store.sync()

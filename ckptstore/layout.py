@@ -1,0 +1,69 @@
+"""Where everything lives in a repository: the one map from object kind to key (restic's
+layout idea). Every other module builds keys through here; docs/format.md is its spec.
+
+    ckptstore.json                 the repository marker (format version, hash algorithm)
+    blobs/<d[0:2]>/<d>             immutable chunk data, named by the digest d of its bytes
+    checkpoints/<name>.json        the manifest of checkpoint <name>: the commit record
+    locks/save-<32 hex>.json       a save in progress (see maintenance/leases.py)
+    locks/gc-<32 hex>.json         a gc in progress
+    locks/sweep.json               the last gc's state ("deleting" / "done")
+    locks/clock-<32 hex>.json      a probe written and deleted to read the store's clock
+"""
+
+from __future__ import annotations
+
+from .format.hashing import check_digest, is_digest
+from .format.names import validate_name
+
+MARKER_KEY = "ckptstore.json"
+BLOB_PREFIX = "blobs/"
+MANIFEST_PREFIX = "checkpoints/"
+MANIFEST_SUFFIX = ".json"
+LOCK_PREFIX = "locks/"
+SWEEP_KEY = f"{LOCK_PREFIX}sweep.json"
+LEASE_KINDS = ("save", "gc")
+
+
+def blob_key(hex_digest: str) -> str:
+    """Key of the blob with this digest: blobs/ab/ab12...ef."""
+    check_digest(hex_digest, "blob key")
+    return f"{BLOB_PREFIX}{hex_digest[:2]}/{hex_digest}"
+
+
+def blob_of_key(key: str) -> str | None:
+    """The digest a key names if it is exactly a blob key, else None (foreign objects)."""
+    digest = key.rsplit("/", 1)[-1]
+    return digest if is_digest(digest) and key == blob_key(digest) else None
+
+
+def manifest_key(name: str) -> str:
+    """Key of the manifest of checkpoint `name` (validated: InvalidNameError otherwise)."""
+    return f"{MANIFEST_PREFIX}{validate_name(name)}{MANIFEST_SUFFIX}"
+
+
+def name_of_manifest_key(key: str) -> str | None:
+    """The checkpoint name a key under checkpoints/ would have, or None if it cannot be one."""
+    rest = key[len(MANIFEST_PREFIX):] if key.startswith(MANIFEST_PREFIX) else ""
+    if not rest.endswith(MANIFEST_SUFFIX):
+        return None
+    try:
+        return validate_name(rest[: -len(MANIFEST_SUFFIX)])
+    except ValueError:
+        return None
+
+
+def lease_key(kind: str, token: str) -> str:
+    """Key of a lease of `kind` ("save" or "gc") with a random 32-hex `token`."""
+    return f"{LOCK_PREFIX}{kind}-{token}.json"
+
+
+def lease_kind(key: str) -> str | None:
+    """The kind of lease a key under locks/ holds, or None if it is not a lease."""
+    kind, sep, rest = key[len(LOCK_PREFIX):].partition("-")
+    if not key.startswith(LOCK_PREFIX) or not sep or kind not in LEASE_KINDS:
+        return None
+    return kind if rest.endswith(".json") and "/" not in rest else None
+
+
+def clock_probe_key(token: str) -> str:
+    return f"{LOCK_PREFIX}clock-{token}.json"
