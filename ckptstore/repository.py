@@ -9,6 +9,7 @@ the manifests, never stored.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import enum
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,6 +41,7 @@ from .format.names import validate_name
 from .format.tree import TreeEncoder
 from .layout import MANIFEST_PREFIX, MARKER_KEY, blob_key, manifest_key, name_of_manifest_key
 from .maintenance import checks, leases
+from .pipeline.commit import LOCAL, Committer, LocalCommitter, SaveRequest
 from .pipeline.loading import load_state
 from .pipeline.reader import CheckpointReader, LoadOptions
 from .pipeline.staging import StagingArena
@@ -53,6 +55,14 @@ LATEST = "latest"
 # canonical JSON sorts keys, so every manifest starts with its creation time
 _HEADER_RE = re.compile(rb'\{"created":(-?[0-9][0-9.eE+-]*),"format":"ckptstore\.manifest"')
 _HEADER_BYTES = 96
+class _Default(enum.Enum):
+    REPOSITORY = "the repository's setting"
+
+
+#: `compression=` of a save that keeps the repository's setting (None means "no compression").
+REPO_DEFAULT = _Default.REPOSITORY
+Compression = str | Codec | None | _Default
+
 #: A save's manifest is created at least this long after the newest checkpoint it saw.
 COMMIT_ORDER_STEP = 1e-3
 log = logging.getLogger("ckptstore")
@@ -87,16 +97,6 @@ class CheckpointInfo:
     logical_bytes: int
     tensors: int
     parent: str | None
-
-
-@dataclass
-class SaveHooks:
-    """Extension points of a save, used by CheckpointManager: `collective` replaces the
-    single-process write+commit (multi-rank saves); `after_commit` runs after a successful
-    commit, inside the save (retention)."""
-
-    collective: Callable[..., Manifest | None] | None = None
-    after_commit: Callable[[SaveInfo], None] | None = None
 
 
 class SaveHandle:
@@ -352,7 +352,9 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ save
     def _prepare(self, name: str, state: Any, metadata: dict[str, Any] | None,
-                 parent: str | None) -> tuple[Any, list, dict[str, Any], str | None]:
+                 parent: str | None) -> SaveRequest:
+        """Check the name and metadata, encode the state, choose the parent: the request a
+        committer commits. Raises on bad input (nothing written)."""
         validate_name(name)
         if metadata is None:
             metadata = {}
@@ -377,48 +379,38 @@ class CheckpointStore:
             self._known.add_manifest(self.manifest(parent_name))
         self._not_before = 0.0 if latest is None else (
             self.manifest(latest).created + COMMIT_ORDER_STEP)
-        return tree, encoder.leaves, metadata, parent_name
+        return SaveRequest(name, tree, encoder.leaves, metadata, parent_name, manifest_key(name))
 
-    def _prepare_or_report(self, name: str, state: Any, metadata: dict[str, Any] | None,
-                           parent: str | None, hooks: SaveHooks | None
-                           ) -> tuple[Any, list, dict[str, Any], str | None]:
-        """`_prepare`; in a collective save a failure is handed to the collective (so every
-        rank learns of it) instead of raised here, where the other ranks would wait forever."""
-        if hooks is None or hooks.collective is None:
-            return self._prepare(name, state, metadata, parent)
+    def _prepare_or_abort(self, committer: Committer, name: str, state: Any,
+                          metadata: dict[str, Any] | None, parent: str | None) -> SaveRequest:
+        """`_prepare`; on failure the committer hears of it first (a collective save tells
+        the other ranks, which would otherwise wait forever), then the error is raised."""
         try:
             return self._prepare(name, state, metadata, parent)
         except Exception as exc:
-            collective = hooks.collective
-            error = f"{type(exc).__name__}: {exc}"
+            committer.prepare_failed(name, f"{type(exc).__name__}: {exc}")
+            raise
 
-            def report(*args: Any) -> Any:
-                return collective(*args, prepare_error=error)  # type: ignore[call-arg]
-
-            hooks.collective = report
-            return {"none": None}, [], {}, None
-
-    def _options(self, compression: str | Codec | None | type[...]) -> SaveOptions:
-        if compression is ...:
+    def _options(self, compression: Compression) -> SaveOptions:
+        if isinstance(compression, _Default):
             return self.save_options
-        return replace(self.save_options, compression=codec_option(compression))  # type: ignore[arg-type]
+        return replace(self.save_options, compression=codec_option(compression))
 
-    def _write(self, name: str, tree: Any, leaves: list, metadata: dict[str, Any],
-               parent: str | None, options: SaveOptions, t0: float, blocked: float,
-               hooks: SaveHooks | None = None, lease: leases.Lease | None = None) -> SaveInfo:
-        collective = hooks.collective if hooks is not None else None
+    def _write(self, request: SaveRequest, committer: Committer, options: SaveOptions,
+               t0: float, blocked: float, lease: leases.Lease) -> SaveInfo:
+        """Write and commit `request` through `committer`; release the lease; then let the
+        committer run what follows a commit. Returns the SaveInfo."""
+        name, leaves = request.name, request.leaves
         writer = self._writer(options, self._known, lease)
-        if collective is not None:
-            manifest = collective(writer, name, tree, leaves, metadata, parent,
-                                  manifest_key(name))
-        else:
-            try:
-                manifest = writer.write(name, tree, leaves, metadata, parent, manifest_key(name))
-            except ReusedBlobsMissingError as exc:
-                # a gc deleted chunks this save meant to reuse: write every chunk again
-                log.warning("%s; writing checkpoint %r again without reusing chunks", exc, name)
-                writer = self._writer(options, KnownChunks(), lease)
-                manifest = writer.write(name, tree, leaves, metadata, parent, manifest_key(name))
+        try:
+            manifest = committer.commit(writer, request)
+        except ReusedBlobsMissingError as exc:
+            if not isinstance(committer, LocalCommitter):
+                raise  # other ranks wrote their part with the same assumption: nothing committed
+            # a gc deleted chunks this save meant to reuse: write every chunk again
+            log.warning("%s; writing checkpoint %r again without reusing chunks", exc, name)
+            writer = self._writer(options, KnownChunks(), lease)
+            manifest = committer.commit(writer, request)
         if manifest is not None:
             # cache what any reader will parse from the store: the writer's own objects only
             # when they provably equal that parse, else the parse of the committed bytes
@@ -435,11 +427,10 @@ class CheckpointStore:
                         seconds=time.perf_counter() - t0,
                         blocked_seconds=blocked if blocked >= 0 else time.perf_counter() - t0,
                         stage_seconds=dict(s.seconds), peak_extra_bytes=writer.budget.peak)
-        if lease is not None:
-            lease.release()  # committed: after_commit (retention's sweep) may take a gc lease
-        if hooks is not None and hooks.after_commit is not None:
+        lease.release()  # committed: what follows (retention's sweep) may take a gc lease
+        if manifest is not None:
             try:
-                hooks.after_commit(info)
+                committer.committed(info)
             except Exception as exc:  # the checkpoint is committed: the save succeeded
                 warnings.warn(f"checkpoint {name!r} was committed, but what runs after the "
                               f"commit (retention) failed: {type(exc).__name__}: {exc}",
@@ -479,9 +470,12 @@ class CheckpointStore:
                 raise
 
     def save(self, name: str, state: Any, metadata: dict[str, Any] | None = None, *,
-             parent: str | None = LATEST, compression: Any = ...,
-             hooks: SaveHooks | None = None) -> SaveInfo:
+             parent: str | None = LATEST,
+             compression: Compression = REPO_DEFAULT,
+             committer: Committer = LOCAL) -> SaveInfo:
         """Save `state` as checkpoint `name` and commit it; returns when it is durable.
+        `committer` decides how the manifest is committed (pipeline/commit.py): alone, or
+        once for many ranks (CheckpointManager under torch.distributed).
 
         Chunks already in the store (known from `parent`, default the latest checkpoint, and
         from this object's earlier saves) are not written again. Raises CheckpointExistsError
@@ -492,14 +486,13 @@ class CheckpointStore:
             self._wait_pending()
             # the lease spans reading the parent (whose chunks are reused) to the commit
             with leases.save_lease(self.store) as lease, quiet_collector():
-                tree, leaves, metadata, parent = self._prepare_or_report(name, state, metadata,
-                                                                         parent, hooks)
-                return self._write(name, tree, leaves, metadata, parent,
-                                   self._options(compression), t0, -1.0, hooks, lease)
+                request = self._prepare_or_abort(committer, name, state, metadata, parent)
+                return self._write(request, committer, self._options(compression), t0, -1.0,
+                                   lease)
 
     def save_async(self, name: str, state: Any, metadata: dict[str, Any] | None = None, *,
-                   parent: str | None = LATEST, compression: Any = ...,
-                   hooks: SaveHooks | None = None) -> SaveHandle:
+                   parent: str | None = LATEST, compression: Compression = REPO_DEFAULT,
+                   committer: Committer = LOCAL) -> SaveHandle:
         """Stage `state` (copy its arrays) and return; the write and commit run in the
         background. The caller may change its tensors as soon as this returns: the checkpoint
         holds their values at call time. One save is in flight at a time: this first waits for
@@ -510,10 +503,9 @@ class CheckpointStore:
             lease = leases.acquire_save(self.store)  # released when the background write ends
             try:
                 with quiet_collector():
-                    tree, leaves, metadata, parent = self._prepare_or_report(
-                        name, state, metadata, parent, hooks)
+                    request = self._prepare_or_abort(committer, name, state, metadata, parent)
                     with paused_collector():
-                        staged = self._arena.stage(leaves)
+                        request = replace(request, leaves=self._arena.stage(request.leaves))
             except BaseException:
                 lease.release()
                 raise
@@ -523,8 +515,7 @@ class CheckpointStore:
             def write() -> SaveInfo:
                 try:
                     with quiet_collector():
-                        return self._write(name, tree, staged, metadata, parent, options, t0,
-                                           blocked, hooks, lease)
+                        return self._write(request, committer, options, t0, blocked, lease)
                 finally:
                     lease.release()
 

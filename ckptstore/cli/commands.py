@@ -22,7 +22,7 @@ from ..layout import BLOB_PREFIX, MANIFEST_PREFIX, manifest_key
 from ..maintenance import checks as maintenance
 from ..maintenance import leases
 from ..redact import redact_uri
-from ..repository import CheckpointStore
+from ..repository import REPO_DEFAULT, CheckpointStore, Compression
 from ..stores import open_store
 from ..tools import inspection
 from .exits import EXIT_BUSY, EXIT_ERROR, EXIT_FOUND, EXIT_OK, UsageError, one_line
@@ -517,7 +517,8 @@ def cmd_import(args: argparse.Namespace, out: Output) -> int:
     elif fmt == "dcp":
         interop.read_dcp(args.source, trust_pickle=False)  # raises the explanation
     with open_repo(args.uri, args, create=True) as repo:
-        compression: Any = ... if args.compression is None else args.compression
+        compression: Compression = (REPO_DEFAULT if args.compression is None
+                                    else args.compression)
         with out.progress(f"importing {redact_uri(args.source)}", unit="steps"):
             report = interop.import_checkpoint(repo, args.name, args.source, fmt=fmt,
                                                metadata=metadata, trust_pickle=args.trust_pickle,

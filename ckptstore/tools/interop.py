@@ -41,7 +41,7 @@ import numpy as np
 
 from ..errors import CkptStoreError, FormatError
 from ..maintenance import leases
-from ..repository import CheckpointStore
+from ..repository import REPO_DEFAULT, CheckpointStore, Compression
 
 FORMATS = ("safetensors", "torch", "dcp")
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
@@ -291,7 +291,8 @@ def _first_line(exc: BaseException) -> str:
 
 def import_checkpoint(repo: CheckpointStore, name: str, source: str | os.PathLike[str], *,
                       fmt: str | None = None, metadata: dict[str, Any] | None = None,
-                      trust_pickle: bool = False, compression: Any = ...,
+                      trust_pickle: bool = False,
+                      compression: Compression = REPO_DEFAULT,
                       lease_wait: float | None = None) -> ImportReport:
     """Save the contents of SOURCE as checkpoint `name` (see the module docstring)."""
     t0 = time.perf_counter()

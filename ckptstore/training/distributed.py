@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -29,9 +30,11 @@ from ..errors import CkptStoreError
 from ..format.canonical import canonical_json
 from ..format.leaf import ArrayLeaf
 from ..format.manifest import ChunkRef, Manifest
+from ..pipeline.commit import SaveRequest
 from ..pipeline.writer import (
     CheckpointWriter,
     LeafPlan,
+    SaveInfo,
     SaveOptions,
     TensorSpec,
     build_entries,
@@ -207,11 +210,14 @@ def _check_agreement(descs: list[list[dict[str, Any]]]) -> None:
                 raise CkptStoreError(f"replicated tensor {a['key']!r} differs in shape")
 
 
-def save_collective(writer: CheckpointWriter, name: str, tree: Any, leaves: list[ArrayLeaf],
-                    metadata: dict[str, Any], parent: str | None, manifest_key: str,
-                    group: Any, prepare_error: str | None = None) -> Manifest | None:
+def save_collective(writer: CheckpointWriter | None, request: SaveRequest, group: Any,
+                    prepare_error: str | None = None) -> Manifest | None:
     """Run the collective save (module docstring). Returns the manifest on rank 0, None on
-    the others; raises the same CkptStoreError on every rank if any rank failed."""
+    the others; raises the same CkptStoreError on every rank if any rank failed. With
+    `prepare_error` this rank failed before it could write (`writer` may be None): every rank
+    raises."""
+    name, tree, leaves, metadata = request.name, request.tree, request.leaves, request.metadata
+    parent, manifest_key = request.parent, request.manifest_key
     rank = dist.get_rank(group)
     descs = all_gather_json({"error": prepare_error} if prepare_error else
                             [_describe(leaf) for leaf in leaves], group)
@@ -224,6 +230,7 @@ def save_collective(writer: CheckpointWriter, name: str, tree: Any, leaves: list
             err = str(exc)
     if err is not None:
         raise CkptStoreError(f"collective save of {name!r} failed, nothing committed: {err}")
+    assert writer is not None  # only a rank that failed to prepare has none, and it raised
 
     try:
         refs = writer.write_blobs(leaves, plans)
@@ -265,3 +272,28 @@ def _global_plans(plans: list[LeafPlan]) -> list[LeafPlan]:
 def _replicated_storage(leaves: list[ArrayLeaf]) -> list[Any]:
     refs = storage_refs(leaves)
     return [None if leaf.is_partial else ref for leaf, ref in zip(leaves, refs)]
+
+
+class CollectiveCommitter:
+    """A save by every rank of `group`, committed once (pipeline/commit.py's protocol).
+    `after_commit` runs on the rank that committed (rank 0). `joined` tells whether this rank
+    entered the collective (if not, a failure must still be reported to the others)."""
+
+    def __init__(self, group: Any, after_commit: Callable[[SaveInfo], None] | None = None
+                 ) -> None:
+        self.group = group
+        self.after_commit = after_commit
+        self.joined = False
+
+    def prepare_failed(self, name: str, error: str) -> None:
+        self.joined = True
+        save_collective(None, SaveRequest(name, None, [], {}, None, ""), self.group,
+                        prepare_error=error)
+
+    def commit(self, writer: CheckpointWriter, request: SaveRequest) -> Manifest | None:
+        self.joined = True
+        return save_collective(writer, request, self.group)
+
+    def committed(self, info: SaveInfo) -> None:
+        if self.after_commit is not None:
+            self.after_commit(info)

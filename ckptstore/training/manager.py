@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,8 +30,9 @@ from ..errors import CkptStoreError, FormatError, IntegrityError, KeyMismatchErr
 from ..format.tree import flatten_arrays
 from ..layout import blob_key
 from ..maintenance import leases
+from ..pipeline.commit import Committer, LocalCommitter
 from ..pipeline.writer import SaveInfo
-from ..repository import CheckpointStore, SaveHandle, SaveHooks
+from ..repository import CheckpointStore, SaveHandle
 from . import distributed as cdist
 from .retention import Retention
 from .rng import RNGState
@@ -93,27 +94,18 @@ class CheckpointManager:
         meta = dict(metadata or {})
         meta.update(step=step, world_size=torch.distributed.get_world_size()
                     if self.distributed else 1)
-        hooks = SaveHooks(after_commit=self._retain if self.rank == 0 else None)
-        joined = False
-        if self.distributed:
-            group = self.group
-
-            def collective(writer: Any, *args: Any, prepare_error: str | None = None) -> Any:
-                nonlocal joined
-                joined = True
-                return cdist.save_collective(writer, *args, group=group,
-                                             prepare_error=prepare_error)
-
-            hooks.collective = collective
+        collective = cdist.CollectiveCommitter(self.group, self._retain) if self.distributed \
+            else None
+        committer: Committer = collective or _RetainingCommitter(self._retain)
         name = self.name_of(step)
         try:
             plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
             if self.async_save:
-                self._last = self.repo.save_async(name, plain, meta, hooks=hooks)
+                self._last = self.repo.save_async(name, plain, meta, committer=committer)
                 return self._last
-            return self.repo.save(name, plain, meta, hooks=hooks)
+            return self.repo.save(name, plain, meta, committer=committer)
         except Exception as exc:
-            if self.distributed and not joined:
+            if collective is not None and not collective.joined:
                 # fail on every rank now instead of leaving them waiting in the collective
                 cdist.report_failure(self.group, f"rank {self.rank}: {type(exc).__name__}: {exc}")
             raise
@@ -213,6 +205,16 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _RetainingCommitter(LocalCommitter):
+    """A single-process save whose commit is followed by the manager's retention."""
+
+    def __init__(self, retain: Callable[[SaveInfo], None]) -> None:
+        self._retain = retain
+
+    def committed(self, info: SaveInfo) -> None:
+        self._retain(info)
 
 
 def _holds_shards(state: Any) -> bool:

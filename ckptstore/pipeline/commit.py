@@ -1,0 +1,65 @@
+"""The commit seam of a save: how this process's blobs are written and the manifest committed.
+
+One `Committer` per save; the repository calls, in this order:
+
+1. `prepare_failed(name, error)` only if this process could not build its part of the save
+   (a bad state, a name already taken). A committer whose save involves other processes
+   tells them (so nobody waits forever or commits) and raises; one that does not returns,
+   and the repository raises the original error.
+2. otherwise `commit(writer, request)`: write the blobs this process owns and commit the
+   manifest, or take part in committing it. Returns the committed Manifest on the process
+   that committed it, None on the others. Raises if nothing was committed.
+3. `committed(info)` after a successful commit, outside the save's lease (retention runs
+   here); its failure is reported as a warning, never as the save's error.
+
+`LocalCommitter` is the single-process save; `training.distributed.CollectiveCommitter`
+commits once for many ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..format.leaf import ArrayLeaf
+from ..format.manifest import Manifest
+from .writer import CheckpointWriter, SaveInfo
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """What one save commits: the encoded state of this process and where it goes."""
+
+    name: str
+    tree: Any
+    leaves: list[ArrayLeaf]
+    metadata: dict[str, Any]
+    parent: str | None
+    manifest_key: str
+
+
+class Committer(Protocol):
+    """See the module docstring for the call order and contracts."""
+
+    def prepare_failed(self, name: str, error: str) -> None: ...
+
+    def commit(self, writer: CheckpointWriter, request: SaveRequest) -> Manifest | None: ...
+
+    def committed(self, info: SaveInfo) -> None: ...
+
+
+class LocalCommitter:
+    """A save by this process alone: write every blob, then commit."""
+
+    def prepare_failed(self, name: str, error: str) -> None:
+        """Nobody else to tell: the repository raises the original error."""
+
+    def commit(self, writer: CheckpointWriter, request: SaveRequest) -> Manifest | None:
+        return writer.write(request.name, request.tree, request.leaves, request.metadata,
+                            request.parent, request.manifest_key)
+
+    def committed(self, info: SaveInfo) -> None:
+        """Nothing to do after the commit."""
+
+
+LOCAL = LocalCommitter()
