@@ -8,6 +8,7 @@ the manifests, never stored.
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures as cf
 import enum
 import json
@@ -266,10 +267,10 @@ class CheckpointStore:
                                 len(m.tensors), m.parent) for m in manifests if m is not None]
         return sorted(infos, key=lambda i: (i.created, i.name))
 
-    def problems(self) -> list[ManifestProblem]:
+    def problems(self) -> builtins.list[ManifestProblem]:
         """Every object under checkpoints/ that is not a readable manifest, and why (reads
         every manifest)."""
-        problems: list[ManifestProblem] = []
+        problems: builtins.list[ManifestProblem] = []
         names = self._listing(problems)
         with cf.ThreadPoolExecutor(8) as pool:
             for name, error in zip(names, pool.map(self._manifest_error, names)):
@@ -296,7 +297,7 @@ class CheckpointStore:
             log.warning("skipping unreadable manifest: %s", exc)
             return None
 
-    def history(self) -> list[str]:
+    def history(self) -> builtins.list[str]:
         """Names of the committed checkpoints in commit order, oldest first: by `created`,
         which every save sets later than that of the newest checkpoint it saw (so a run that
         went back to an earlier step and saves again comes after the run it abandoned), then

@@ -31,7 +31,7 @@ import math
 import re
 import reprlib
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -87,7 +87,7 @@ def short_repr(value: object) -> str:
     return _repr.repr(value)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int | np.integer[Any]]:
     """An exact integer (int or numpy integer): never a bool, a float or a numeric string."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
@@ -102,7 +102,7 @@ def check_int(
     """`value` as an int if it is an exact int in [lo, hi] (hi None: unbounded), else
     raise `error` naming `where`."""
     if is_int(value):
-        v = int(value)  # type: ignore[call-overload]
+        v = int(value)
         if lo <= v and (hi is None or v <= hi):
             return v
     span = f">= {lo}" if hi is None else f"in [{lo}, {'2**63-1' if hi == INT64_MAX else hi}]"
@@ -656,19 +656,19 @@ def _keys(d: Any, where: str, required: tuple[str, ...], optional: tuple[str, ..
         raise FormatError(f"{where}: unknown key {short_repr(unknown[0])}")
 
 
-def _get(d: dict, key: str, typ: type, where: str) -> Any:
+def _get(d: dict[str, Any], key: str, typ: type, where: str) -> Any:
     if key not in d:
         raise FormatError(f"{where}: missing {key!r}")
     _need(d[key], typ, f"{where}.{key}")
     return d[key]
 
 
-def _int(d: dict, key: str, where: str) -> int:
+def _int(d: dict[str, Any], key: str, where: str) -> int:
     return check_int(d.get(key), f"{where}.{key}")
 
 
 def _ints(
-    d: dict, key: str, where: str, lo: int, min_len: int, max_len: int | None = None
+    d: dict[str, Any], key: str, where: str, lo: int, min_len: int, max_len: int | None = None
 ) -> list[int]:
     """d[key]: a list of exact ints >= lo (each at most 2**63-1), of length in range."""
     v = _get(d, key, list, where)
@@ -678,7 +678,7 @@ def _ints(
     if not all(is_int(x) and lo <= x <= INT64_MAX for x in v):
         bad = next(x for x in v if not (is_int(x) and lo <= x <= INT64_MAX))
         raise FormatError(f"{where}.{key}: expected ints >= {lo}, got {short_repr(bad)}")
-    return v
+    return [int(x) for x in v]
 
 
 def _dtype(v: Any, where: str) -> str:

@@ -190,7 +190,8 @@ class BackgroundIterator(Generic[T]):
                     raise RuntimeError("dataloader producer thread died without a result") from None
         self.last_wait = time.perf_counter() - t0
         if kind == "item":
-            return value
+            item: T = value
+            return item
         self._done = True
         self.close()
         if kind == "error":

@@ -145,7 +145,7 @@ def _check_order(theirs: Any, ours: dict[str, Any]) -> None:
 
 def _same(a: object, b: object) -> bool:
     if is_int(a) and is_int(b):
-        return int(a) == int(b)  # type: ignore[call-overload]
+        return int(a) == int(b)
     return type(a) is type(b) and a == b
 
 

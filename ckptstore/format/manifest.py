@@ -222,7 +222,7 @@ def _bool(value: Any, where: str) -> bool:
 
 
 def _dict(value: Any, where: str, required: AbstractSet[str],
-          optional: AbstractSet[str] = frozenset()) -> dict:
+          optional: AbstractSet[str] = frozenset()) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _fail(where, f"expected an object, got {type(value).__name__}")
     missing = required - value.keys()
@@ -234,7 +234,7 @@ def _dict(value: Any, where: str, required: AbstractSet[str],
     return value
 
 
-def _list(value: Any, where: str) -> list:
+def _list(value: Any, where: str) -> list[Any]:
     if not isinstance(value, list):
         raise _fail(where, f"expected a list, got {type(value).__name__}")
     return value
@@ -452,7 +452,7 @@ def _entry_json(e: TensorEntry) -> str:
             f'"zarr_format":3}}')
 
 
-def _parse_tensors(docs: list) -> tuple[TensorEntry, ...]:
+def _parse_tensors(docs: list[Any]) -> tuple[TensorEntry, ...]:
     """Every tensor entry, validated; FormatError names the first one wrong."""
     out = []
     for i, doc in enumerate(docs):

@@ -155,7 +155,7 @@ class TorchMaterializer:
             ref = entry.storage
             storage = self._storages.get(ref.id)
             if storage is None:
-                storage = torch.UntypedStorage(ref.nbytes)
+                storage = torch.UntypedStorage(ref.nbytes)  # type: ignore[no-untyped-call]
                 self._storages[ref.id] = storage
             t = torch.empty(0, dtype=dt)
             t.set_(storage, ref.offset, entry.shape, ref.stride)

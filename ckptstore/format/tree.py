@@ -110,7 +110,7 @@ class TreeEncoder:
             f"{cls.__module__}.{cls.__qualname__} (allowed: dict, OrderedDict, list, "
             "tuple, torch tensors, numpy arrays and scalars, None, bool, int, float, str, bytes)")
 
-    def _items(self, obj: dict, path: Path) -> list[Any]:
+    def _items(self, obj: dict[Any, Any], path: Path) -> list[Any]:
         items = []
         ints = False
         for k, v in obj.items():

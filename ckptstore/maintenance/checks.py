@@ -92,7 +92,7 @@ def _check_blob(store: Store, hash_of: Callable[[Buffer], str], blob: str,
         if chunk.offset != 0 or chunk.size != len(data):
             return (len(data), "corrupt", f"blob size {len(data)} differs from the "
                                           f"{chunk.size} bytes declared for {entry.key!r}")
-        out = memoryview(np.empty(chunk.nbytes, np.uint8)).cast("B")  # pages filled lazily
+        out = memoryview(np.empty(chunk.nbytes, np.uint8).data).cast("B")  # pages filled lazily
         try:
             entry.codec.decode_into(part, out, entry.dtype.itemsize, entry.key)
         except IntegrityError as exc:

@@ -84,7 +84,8 @@ def local_part(dest: Any, key: str) -> tuple[Any, tuple[int, int] | None, tuple[
     if isinstance(dest, Shard):
         return dest.data, dest.rows, dest.global_shape
     if not isinstance(dest, np.ndarray):
-        found = _torch_interop().dtensor_local(dest, key)
+        found: tuple[Any, tuple[int, int] | None, tuple[int, ...]] | None = (
+            _torch_interop().dtensor_local(dest, key))
         if found is not None:
             return found
     return dest, None, tuple(dest.shape)
@@ -170,7 +171,7 @@ def _check_keys_exist(manifest: Manifest, keys: Iterable[str]) -> None:
         raise KeyMismatchError(f"checkpoint {manifest.name!r} has no key(s) {missing[:10]}")
 
 
-def _all_leaf_keys(node: Any, path: tuple = ()) -> list[str]:
+def _all_leaf_keys(node: Any, path: tuple[str | int, ...] = ()) -> list[str]:
     kind, value = tree_mod.node_kind(node)
     if kind in ("dict", "odict"):
         return [k for (_t, key), child in value for k in _all_leaf_keys(child, (*path, key))]

@@ -202,7 +202,7 @@ def _scratch(nbytes: int) -> memoryview:
     """An uninitialised buffer for bytes about to be read. Its pages are committed only as
     the read fills them, so a manifest that declares more bytes than the blob holds costs the
     blob's real size, not the declared one, before the short read is reported."""
-    return memoryview(np.empty(nbytes, np.uint8)).cast("B")
+    return memoryview(np.empty(nbytes, np.uint8).data).cast("B")
 
 
 def _bad(p: _Piece) -> IntegrityError:
@@ -228,7 +228,7 @@ def _merge_runs(pieces: list[_Piece]) -> list[list[_Piece]]:
     return runs
 
 
-def _job_size(job: tuple) -> int:
+def _job_size(job: tuple[Callable[..., None], tuple[Any, ...]]) -> int:
     fn, args = job
     if isinstance(args[0], _Piece):
         return args[0].chunk.size

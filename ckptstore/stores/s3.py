@@ -589,7 +589,7 @@ class S3Store(Store):
                     data = body.read()  # verifies Content-Length (and checksum when sent)
                     if want is not None and len(data) != want:
                         raise _Truncated()
-                    return data
+                    return bytes(data)
                 if etag is None:
                     etag = resp.get("ETag")
                 while pos < len(out):
@@ -769,7 +769,7 @@ class S3Store(Store):
             head = self._client.head_object(Bucket=self.bucket, Key=full)
         except _SDK_ERRORS:
             return False
-        return head.get("ETag") == _multipart_etag(parts)
+        return bool(head.get("ETag") == _multipart_etag(parts))
 
     def _abort(self, full: str, upload_id: str) -> None:
         try:
@@ -789,7 +789,8 @@ class S3Store(Store):
 
     # -- metadata ------------------------------------------------------------------------
     def _head(self, key: str, full: str) -> dict[str, Any]:
-        return self._call("stat", key, self._client.head_object, Key=full)
+        head: dict[str, Any] = self._call("stat", key, self._client.head_object, Key=full)
+        return head
 
     def exists(self, key: str) -> bool:
         try:

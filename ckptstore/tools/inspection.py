@@ -16,7 +16,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +69,7 @@ def leaves(manifest: Manifest) -> list[Leaf]:
     return out
 
 
-def key_matcher(patterns: Iterable[str] | None):  # -> Callable[[str], bool]
+def key_matcher(patterns: Iterable[str] | None) -> Callable[[str], bool]:
     """A predicate for dotted keys: a pattern with glob characters (`*?[`) is matched with
     fnmatch (case-sensitive); a plain pattern matches that key and everything below it."""
     pats = list(patterns or [])

@@ -278,7 +278,8 @@ def read_dcp(path: str | os.PathLike[str], *, trust_pickle: bool) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-            return _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(str(path)))
+            reader = dcp.filesystem.FileSystemReader(str(path))
+            return _load_state_dict_from_keys(storage_reader=reader)
     except Exception as exc:  # DCP wraps everything in CheckpointException and friends
         raise FormatError(f"{path}: cannot read the DCP checkpoint: {_first_line(exc)}") from None
 

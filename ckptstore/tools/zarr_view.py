@@ -82,10 +82,6 @@ class CheckpointZarrStore(Store):
     def supports_listing(self) -> bool:
         return True
 
-    @property
-    def supports_partial_writes(self) -> bool:  # type: ignore[override]
-        return False
-
     async def set(self, key: str, value: Buffer) -> None:
         raise PermissionError("a checkpoint's zarr view is read-only")
 
@@ -158,16 +154,16 @@ class CheckpointZarrStore(Store):
                 keys.extend(f"{node}/c/{i}{tail}" for i in range(len(entry.chunks)))
         return keys
 
-    async def list(self) -> AsyncIterator[str]:  # type: ignore[override]
+    async def list(self) -> AsyncIterator[str]:
         for key in self._all_keys():
             yield key
 
-    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
         for key in self._all_keys():
             if key.startswith(prefix):
                 yield key
 
-    async def list_dir(self, prefix: str) -> AsyncIterator[str]:  # type: ignore[override]
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
         prefix = prefix.rstrip("/")
         seen: set[str] = set()
         for key in self._all_keys():

@@ -223,6 +223,7 @@ def save_collective(writer: CheckpointWriter | None, request: SaveRequest, group
                             [_describe(leaf) for leaf in leaves], group)
     err = _first_error(descs)
     if err is None:
+        assert writer is not None  # no rank reported a prepare error: this one has a writer
         try:
             _check_agreement(descs)
             plans, shapes = plan_collective(descs, rank, writer.options)

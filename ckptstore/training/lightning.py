@@ -98,7 +98,8 @@ class CkptStoreCheckpointIO(CheckpointIO):
             device = torch.device(map_location) if isinstance(map_location, str) else None
             if device is not None and device.type != "cpu":
                 state = _to_device(state, device)
-        return state
+        result: dict[str, Any] = state
+        return result
 
     def remove_checkpoint(self, path: Any) -> None:
         for _v, name in self._versions(checkpoint_name(path)):

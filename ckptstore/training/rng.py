@@ -35,8 +35,8 @@ class RNGState:
         import torch
 
         version, ints, gauss = random.getstate()
-        name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-        state = {
+        name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state: dict[str, Any] = {
             "python_state": np.array(ints, dtype=np.uint64),
             "python_meta": np.array([version, gauss is not None, gauss or 0.0], np.float64),
             "numpy_key": np.asarray(key, dtype=np.uint32).copy(),
