@@ -1,0 +1,206 @@
+"""The contract every Store backend keeps, as an importable test suite (zarr's StoreTests
+pattern): subclass `StoreTests` in a test module, provide the `store` fixture and the raw
+accessors that bypass the store, and pytest runs every contract test against the backend.
+
+    class TestMyStore(StoreTests):
+        @pytest.fixture
+        def store(self, tmp_path): return MyStore(tmp_path)
+        def raw_get(self, store, key): ...   # the stored bytes, read without the store
+        def raw_put(self, store, key, data): ...   # an object written without the store
+
+The contract itself is stated in `ckptstore.stores.base`. Needs pytest (a test dependency).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ..errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
+from ..format.hashing import digest
+from .base import Store
+
+
+class StoreTests:
+    """Contract tests for one backend; see the module docstring."""
+
+    @pytest.fixture
+    def store(self, *args: Any) -> Store:
+        raise NotImplementedError("a StoreTests subclass provides the `store` fixture")
+
+    def raw_get(self, store: Store, key: str) -> bytes:
+        """The bytes stored under `key`, read without going through `store`."""
+        raise NotImplementedError
+
+    def raw_put(self, store: Store, key: str, data: bytes) -> None:
+        """Write an object without going through `store` (as another program would)."""
+        raise NotImplementedError
+
+    def test_put_writes_exactly_the_bytes(self, store: Store) -> None:
+        store.put("raw/a", b"written by the store")
+        store.create("raw/b", memoryview(b"xxcreatedxx")[2:-2])
+        assert self.raw_get(store, "raw/a") == b"written by the store"
+        assert self.raw_get(store, "raw/b") == b"created"
+
+    def test_objects_written_by_others_are_read(self, store: Store) -> None:
+        self.raw_put(store, "raw/c/d", b"from elsewhere")
+        assert store.get("raw/c/d") == b"from elsewhere"
+        assert store.get_range("raw/c/d", 5, 4) == b"else"
+        assert [i.key for i in store.list("raw/c/")] == ["raw/c/d"]
+        with pytest.raises(ObjectExistsError):
+            store.create("raw/c/d", b"other")
+
+    def test_put_get_roundtrip(self, store: Store) -> None:
+        store.put("a/b/one", b"hello")
+        assert store.get("a/b/one") == b"hello"
+        store.put("a/b/one", b"replaced")
+        assert store.get("a/b/one") == b"replaced"
+
+
+    def test_put_accepts_any_buffer(self, store: Store) -> None:
+        store.put("buf/bytearray", bytearray(b"xyz"))
+        store.put("buf/memoryview", memoryview(b"0123456789")[2:5])
+        assert store.get("buf/bytearray") == b"xyz"
+        assert store.get("buf/memoryview") == b"234"
+
+
+    def test_empty_object(self, store: Store) -> None:
+        store.put("empty", b"")
+        assert store.get("empty") == b""
+        assert store.stat("empty").size == 0
+
+
+    def test_missing_key_raises_not_found(self, store: Store) -> None:
+        with pytest.raises(ObjectNotFoundError):
+            store.get("nope/missing")
+        with pytest.raises(FileNotFoundError):
+            store.get_range("nope/missing", 0, 1)
+        with pytest.raises(ObjectNotFoundError):
+            store.stat("nope/missing")
+        assert not store.exists("nope/missing")
+
+
+    def test_ranged_reads(self, store: Store) -> None:
+        data = bytes(range(256)) * 10
+        store.put("r/data", data)
+        assert store.get_range("r/data", 0, 10) == data[:10]
+        assert store.get_range("r/data", 1000, 1560) == data[1000:]
+        assert store.get_range("r/data", 5, 0) == b""
+        out = bytearray(100)
+        store.read_into("r/data", 300, memoryview(out))
+        assert bytes(out) == data[300:400]
+
+
+    def test_read_into_digest_hashes_exactly_the_bytes_read(self, store: Store) -> None:
+        # larger than the local store's 1 MiB hashing step, and not a multiple of it
+        data = np.random.default_rng(7).integers(0, 256, (3 << 20) + 12345, np.uint8).tobytes()
+        store.put("r/big", data)
+        for start, length in [(0, len(data)), (17, (1 << 20) + 1), (len(data) - 5, 5), (9, 0)]:
+            out = bytearray(length)
+            found = store.read_into_digest("r/big", start, memoryview(out))
+            assert bytes(out) == data[start : start + length]
+            assert found == digest(data[start : start + length])
+        with pytest.raises(StoreError):
+            store.read_into_digest("r/big", len(data) - 3, memoryview(bytearray(10)))
+        with pytest.raises(ObjectNotFoundError):
+            store.read_into_digest("r/missing", 0, memoryview(bytearray(1)))
+
+
+    def test_range_past_end_is_an_error_not_a_short_read(self, store: Store) -> None:
+        store.put("r/short", b"0123456789")
+        with pytest.raises(StoreError):
+            store.get_range("r/short", 5, 10)
+        with pytest.raises(StoreError):
+            store.read_into("r/short", 8, memoryview(bytearray(5)))
+
+
+    def test_create_only(self, store: Store) -> None:
+        store.create("m/one.json", b"first")
+        with pytest.raises(ObjectExistsError):
+            store.create("m/one.json", b"second")
+        with pytest.raises(FileExistsError):
+            store.create("m/one.json", b"third")
+        assert store.get("m/one.json") == b"first"
+        # an identical re-create (a retried commit whose reply was lost) is success
+        store.create("m/one.json", b"first")
+
+
+    def test_create_race_has_one_winner(self, store: Store) -> None:
+        results: list[str] = []
+
+        def attempt(i: int) -> None:
+            try:
+                store.create("race/key", f"writer-{i}".encode())
+                results.append(f"writer-{i}")
+            except ObjectExistsError:
+                pass
+
+        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(results) == 1
+        assert store.get("race/key") == results[0].encode()
+
+
+    def test_exists_stat_list_delete(self, store: Store) -> None:
+        store.put("l/x/1", b"1")
+        store.put("l/x/22", b"22")
+        store.put("l/y/333", b"333")
+        store.put("other", b"o")
+        assert store.exists("l/x/1")
+        assert store.stat("l/y/333").size == 3
+        assert store.stat("l/y/333").mtime > 0
+        assert sorted(i.key for i in store.list("l/")) == ["l/x/1", "l/x/22", "l/y/333"]
+        assert sorted(i.key for i in store.list("l/x/")) == ["l/x/1", "l/x/22"]
+        assert sorted(i.key for i in store.list("l/x/2")) == ["l/x/22"]
+        assert {i.key: i.size for i in store.list("")} == {
+            "l/x/1": 1, "l/x/22": 2, "l/y/333": 3, "other": 1}
+        assert list(store.list("nothing/")) == []
+        store.delete("l/x/1")
+        store.delete("l/x/1")  # deleting a missing key is fine
+        assert not store.exists("l/x/1")
+        assert sorted(i.key for i in store.list("l/")) == ["l/x/22", "l/y/333"]
+
+
+    @pytest.mark.parametrize(
+        "bad", ["", "/abs", "../escape", "a/../../b", "a//b", "a/./b", "a\\b", "a b", "é"]
+    )
+    def test_hostile_keys_are_refused(self, store: Store, bad: str) -> None:
+        with pytest.raises(InvalidNameError):
+            store.put(bad, b"x")
+        with pytest.raises(InvalidNameError):
+            store.get(bad)
+
+
+    def test_large_object(self, store: Store) -> None:
+        data = bytes(range(256)) * (40 * 1024 * 4 + 3)  # ~40 MiB: multipart on S3
+        store.put("big/obj", data)
+        assert store.stat("big/obj").size == len(data)
+        assert store.get("big/obj") == data
+        assert store.get_range("big/obj", len(data) - 7, 7) == data[-7:]
+        store.sync()
+
+
+    def test_concurrent_puts_and_gets(self, store: Store) -> None:
+        errors: list[BaseException] = []
+
+        def work(i: int) -> None:
+            try:
+                payload = bytes([i]) * (1000 + i)
+                store.put(f"c/{i}", payload)
+                assert store.get(f"c/{i}") == payload
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert len(list(store.list("c/"))) == 16
