@@ -37,7 +37,8 @@ from .errors import (
 from .format.canonical import canonical_json
 from .format.codecs import Codec, codec_option
 from .format.hashing import HASH_NAME, HashAlgorithm, hash_algorithm
-from .format.manifest import MAX_MANIFEST_BYTES, Manifest, committed_manifest, parse_manifest
+from .format.manifest import MAX_MANIFEST_BYTES, Manifest
+from .format.manifest_parse import committed_manifest, parse_manifest
 from .format.names import validate_name
 from .format.tree import TreeEncoder
 from .layout import MANIFEST_PREFIX, MARKER_KEY, blob_key, manifest_key, name_of_manifest_key

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, FormatError
-from ckptstore.format import manifest as manifest_mod
+from ckptstore.format import manifest_parse as manifest_mod
 
 
 def _repo(store_uri: str, store_options: dict) -> CheckpointStore:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptstore import CheckpointStore, FormatError
-from ckptstore.format.manifest import parse_manifest
+from ckptstore.format.manifest_parse import parse_manifest
 
 from .helpers import assert_same, json_paths, sealed_manifest
 

@@ -9,7 +9,7 @@ import torch
 
 from ckptstore import CheckpointStore, FormatError
 from ckptstore.format.canonical import SEAL_FIELD, canonical_json, seal
-from ckptstore.format.manifest import parse_manifest
+from ckptstore.format.manifest_parse import parse_manifest
 
 from .helpers import sealed_manifest
 

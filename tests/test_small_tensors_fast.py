@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from ckptstore import CheckpointStore, FormatError, Shard, UnsupportedTypeError
 from ckptstore.format import manifest as M
+from ckptstore.format import manifest_parse as P
 from ckptstore.format.codecs import Codec
 from ckptstore.format.tree import TreeEncoder, key_string, leaf_keys, leaf_paths
 from ckptstore.pipeline import staging
@@ -102,8 +103,8 @@ def saved(request, tmp_path):
 
 def test_writer_manifest_is_cached_and_equals_the_parse(saved):
     repo, cached, raw = saved
-    assert M.parses_back_equal(cached, "a")  # so _write kept the writer's own object
-    parsed = M.parse_manifest(raw, "a")
+    assert P.parses_back_equal(cached, "a")  # so _write kept the writer's own object
+    parsed = P.parse_manifest(raw, "a")
     assert parsed == cached
     assert repr(parsed) == repr(cached)  # same types (1 vs 1.0 vs True) and dict order
     assert cached.to_bytes() == raw
@@ -137,16 +138,16 @@ def test_fast_paths_taken_and_equal_to_the_reference(saved):
     _repo, cached, raw = saved
     docs = json.loads(raw)["tensors"]
     for i, doc in enumerate(docs):
-        fast = M._fast_tensor(doc)
+        fast = P._fast_tensor(doc)
         assert fast is not None, doc["attributes"]["ckptstore"]["key"]
-        assert fast == M._parse_tensor(doc, i)
+        assert fast == P._parse_tensor(doc, i)
         assert M._entry_json(fast) == M.canonical_str(doc)
     assert _reference_bytes(cached) == raw
 
 
 def test_to_bytes_of_entries_the_fast_writer_skips():
-    """Entries failing _entry_ok (never written by a save) still serialize exactly."""
-    good = M.parse_manifest(_small_manifest_bytes())
+    """Entries failing entry_problem (never written by a save) still serialize exactly."""
+    good = P.parse_manifest(_small_manifest_bytes())
     entry = good.tensors[0]
     odd = [replace(entry, chunks=()),  # wrong chunk count
            replace(entry, shape=(np.int64(entry.shape[0]), *entry.shape[1:])),  # numpy int
@@ -172,8 +173,8 @@ def _small_manifest_bytes() -> bytes:
 
 
 def test_parses_back_equal_refuses_what_would_not_round_trip():
-    m = M.parse_manifest(_small_manifest_bytes())
-    assert M.parses_back_equal(m, "s") and not M.parses_back_equal(m, "other")
+    m = P.parse_manifest(_small_manifest_bytes())
+    assert P.parses_back_equal(m, "s") and not P.parses_back_equal(m, "other")
     e = m.tensors[0]
     bad = [
         replace(m, created=int(m.created)),
@@ -195,14 +196,14 @@ def test_parses_back_equal_refuses_what_would_not_round_trip():
         replace(m, tensors=list(m.tensors)),
     ]
     for b in bad:
-        assert not M.parses_back_equal(b), b
+        assert not P.parses_back_equal(b), b
     # committed_manifest then parses the committed bytes instead of keeping the object
     odd = replace(m, created=int(m.created))
-    got = M.committed_manifest(odd, odd.to_bytes(), "s")
-    assert got is not odd and got == M.parse_manifest(odd.to_bytes(), "s")
+    got = P.committed_manifest(odd, odd.to_bytes(), "s")
+    assert got is not odd and got == P.parse_manifest(odd.to_bytes(), "s")
     bad_codec = replace(m, tensors=(replace(e, codec=Codec("zstd", 1000)),))
     with pytest.raises(FormatError):
-        M.committed_manifest(bad_codec, bad_codec.to_bytes(), "s")
+        P.committed_manifest(bad_codec, bad_codec.to_bytes(), "s")
 
 
 # ------------------------------------------------------ fast parse == reference, on anything
@@ -237,9 +238,9 @@ DOC_PATHS = [(i, p) for i, d in enumerate(VALID_DOCS) for p in json_paths(d) if 
 
 
 def _same_verdict(doc) -> None:
-    fast = M._fast_tensor(doc)
+    fast = P._fast_tensor(doc)
     try:
-        slow = M._parse_tensor(doc, 0)
+        slow = P._parse_tensor(doc, 0)
     except FormatError:
         assert fast is None, "the fast path accepted what the reference refuses"
         return
@@ -247,7 +248,7 @@ def _same_verdict(doc) -> None:
         assert fast == slow and repr(fast) == repr(slow)
     elif M.canonical_str(slow.to_json()) == M.canonical_str(doc):
         raise AssertionError("the fast path refused a canonical entry")
-    if M._entry_ok(slow):
+    if M.entry_problem(slow) is None:
         assert M._entry_json(slow) == M.canonical_str(slow.to_json())
 
 

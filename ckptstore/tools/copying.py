@@ -31,7 +31,8 @@ from ..errors import (
     ObjectExistsError,
     ObjectNotFoundError,
 )
-from ..format.manifest import Manifest, parse_manifest
+from ..format.manifest import Manifest
+from ..format.manifest_parse import parse_manifest
 from ..layout import BLOB_PREFIX, blob_key, blob_of_key, manifest_key
 from ..maintenance import leases
 from ..pipeline.budget import ByteBudget
