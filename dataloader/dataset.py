@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import closing
 from typing import Any
 
 from ckptstore.errors import ObjectNotFoundError
@@ -28,7 +29,7 @@ from .format import (
 )
 from .metrics import Metrics
 from .order import BALANCE, MAX_WORLD_SIZE, EpochOrder, Piece, advance, rank_plan
-from .pipeline import Executors, iter_windows
+from .pipeline import dataset_windows
 from .reader import BlockReader
 from .state import Progress, fresh, from_state, to_state
 from .views import PlainView
@@ -324,15 +325,8 @@ class StreamingDataset:
         if nw > 1:
             pieces = _worker_pieces(pieces, wid, nw, self.batch_size)
         self._direct = (progress, 0)
-        executors = Executors(self.io_threads)
-        try:
-            views = iter_windows(
-                pieces,
-                lambda w: self.load_window(order, w, executors.io),
-                lambda w: self.window_nbytes(order, w),
-                executors,
-                self.prefetch_bytes,
-            )
+        windows = dataset_windows(self, order, pieces, self.io_threads, self.prefetch_bytes)
+        with closing(windows) as views:
             count = 0
             for piece, view in views:
                 for i in range(piece.start, piece.stop):
@@ -340,8 +334,6 @@ class StreamingDataset:
                     count += 1
                     self._direct = (progress, count)
                     yield sample
-        finally:
-            executors.shutdown()
 
 
 def _worker_pieces(pieces: list[Piece], wid: int, nw: int, run: int) -> list[Piece]:

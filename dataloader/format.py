@@ -36,6 +36,7 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from ckptstore.errors import FormatError, ObjectNotFoundError
+from ckptstore.format.canonical import canonical_json
 from ckptstore.format.hashing import HASH_NAME, digest, is_digest
 from ckptstore.stores import Store
 
@@ -132,7 +133,9 @@ def validate_field_name(name: object) -> str:
     return name
 
 
-def canonical_json(obj: Any) -> bytes:
+def _legacy_canonical_json(obj: Any) -> bytes:
+    """The canonical JSON of indexes written before the dataloader shared ckptstore's (it
+    escaped non-ASCII characters): kept only to check those indexes' fingerprints."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -585,7 +588,8 @@ class DatasetIndex:
             fingerprint = cls.compute_fingerprint(idx.body())
         except (ValueError, RecursionError) as exc:  # cannot happen after the checks above
             raise FormatError(f"{where}: cannot compute the fingerprint ({exc})") from None
-        if fingerprint != idx.fingerprint:
+        if fingerprint != idx.fingerprint and (
+                digest(_legacy_canonical_json(idx.body())) != idx.fingerprint):
             raise FormatError(f"{where}: fingerprint does not match the index content (corrupt?)")
         idx._check_consistency(where)
         return idx

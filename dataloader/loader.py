@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
+from contextlib import closing
 from typing import Any
 
 from .collate import Collate, resolve
 from .dataset import StreamingDataset
 from .format import check_int
 from .metrics import Metrics
-from .pipeline import BackgroundIterator, Executors, iter_batches, iter_windows, timed_batches
+from .pipeline import BackgroundIterator, dataset_windows, iter_batches, timed_batches
 from .state import Progress, fresh
 from .views import Batch, batch_len
 
@@ -85,19 +86,8 @@ class StreamingLoader:
         nw, budget = self.num_workers, self.prefetch_bytes
 
         def produce(stop: threading.Event | None) -> Iterator[Batch]:
-            executors = Executors(nw)
-            try:
-                views = iter_windows(
-                    pieces,
-                    lambda w: ds.load_window(order, w, executors.io),
-                    lambda w: ds.window_nbytes(order, w),
-                    executors,
-                    budget,
-                    stop,
-                )
+            with closing(dataset_windows(ds, order, pieces, nw, budget, stop)) as views:
                 yield from iter_batches(views, self.batch_size, self.drop_last)
-            finally:
-                executors.shutdown()
 
         source: Any = (
             BackgroundIterator(produce, self.prefetch_batches) if nw > 0 else produce(None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import closing
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from .errors import StateMismatchError
 from .format import INT64_MAX, check_int, is_int, short_repr
 from .metrics import Metrics
 from .order import rng_for
-from .pipeline import BackgroundIterator, Executors, iter_batches, iter_windows
+from .pipeline import BackgroundIterator, dataset_windows, iter_batches
 from .state import STATE_FORMAT, STATE_VERSION, Progress, check_header
 from .views import Batch, batch_len, merge_parts, slice_batch
 
@@ -63,19 +64,8 @@ class _Source:
         self.taken, self.buffer, self.offset, self.exhausted = 0, [], 0, False
 
         def produce(stop: threading.Event | None) -> Iterator[Batch]:
-            ex = Executors(self.nw)
-            try:
-                views = iter_windows(
-                    pieces,
-                    lambda w: ds.load_window(order, w, ex.io),
-                    lambda w: ds.window_nbytes(order, w),
-                    ex,
-                    self.budget,
-                    stop,
-                )
+            with closing(dataset_windows(ds, order, pieces, self.nw, self.budget, stop)) as views:
                 yield from iter_batches(views, self.chunk, False)
-            finally:
-                ex.shutdown()
 
         self.it = BackgroundIterator(produce, 2) if self.nw > 0 else produce(None)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .metrics import Metrics
 from .order import Piece
@@ -107,6 +107,28 @@ def iter_windows(
     finally:
         for fut in futures.values():
             fut.cancel()
+
+
+class WindowSource(Protocol):
+    """A dataset read window by window (StreamingDataset)."""
+
+    def load_window(self, order: Any, w: int, io: Any) -> Any: ...
+
+    def window_nbytes(self, order: Any, w: int) -> int: ...
+
+
+def dataset_windows(source: WindowSource, order: Any, pieces: Sequence[Piece], threads: int,
+                    prefetch_bytes: int, stop: threading.Event | None = None
+                    ) -> Generator[tuple[Piece, Any], None, None]:
+    """One pass over `pieces` of `source` in `order`: `iter_windows` with this pass's own
+    executors (`threads` I/O threads), shut down when the pass ends, however it ends."""
+    executors = Executors(threads)
+    try:
+        yield from iter_windows(pieces, lambda w: source.load_window(order, w, executors.io),
+                                lambda w: source.window_nbytes(order, w), executors,
+                                prefetch_bytes, stop)
+    finally:
+        executors.shutdown()
 
 
 def iter_batches(

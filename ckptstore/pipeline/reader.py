@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..concurrency import completed
 from ..errors import IntegrityError, ObjectNotFoundError
 from ..format.hashing import XXH3_128, HashAlgorithm
 from ..format.manifest import ChunkRef, TensorEntry
@@ -125,14 +126,8 @@ class CheckpointReader:
                 jobs.append((self._read_run, (blob, run, budget)))
         jobs.sort(key=lambda j: -_job_size(j))  # big first: better load balance
         with cf.ThreadPoolExecutor(self.options.workers, thread_name_prefix="ckpt-load") as pool:
-            futures = [pool.submit(fn, *args) for fn, args in jobs]
-            try:
-                for fut in cf.as_completed(futures):
-                    fut.result()
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+            for _ in completed(pool.submit(fn, *args) for fn, args in jobs):
+                pass
 
     # ------------------------------------------------------------------ jobs
     def _fetch_into(self, entry: TensorEntry, blob: str, start: int, out: memoryview,

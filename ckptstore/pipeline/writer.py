@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..concurrency import completed
 from ..errors import CheckpointExistsError, CkptStoreError, ObjectExistsError, UnsupportedTypeError
 from ..format.codecs import Codec
 from ..format.dtypes import DType
@@ -305,17 +306,12 @@ class CheckpointWriter:
                     futures[pool.submit(self._chunk_job, leaf, start, stop)] = (i, c)
             for group in _pack_groups(packed, leaves, opts.chunk_bytes):
                 futures[pool.submit(self._pack_job, [(i, leaves[i]) for i in group])] = (-1, -1)
-            try:
-                for done in cf.as_completed(futures):
-                    i, c = futures[done]
-                    if i >= 0:
-                        refs[(i, c)] = done.result()
-                    else:
-                        refs.update(((j, 0), ref) for j, ref in done.result().items())
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+            for done in completed(futures):
+                i, c = futures[done]
+                if i >= 0:
+                    refs[(i, c)] = done.result()
+                else:
+                    refs.update(((j, 0), ref) for j, ref in done.result().items())
         return refs
 
     def creation_time(self) -> float:

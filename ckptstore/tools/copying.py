@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from ..concurrency import completed
 from ..errors import (
     CheckpointExistsError,
     FormatError,
@@ -131,15 +132,9 @@ def copy_checkpoints(src: CheckpointStore, dst: CheckpointStore, names: Iterable
             return len(data)
 
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-cp") as pool:
-            futures = [pool.submit(send, b) for b in missing]
-            try:
-                for fut in cf.as_completed(futures):
-                    report.bytes_sent += fut.result()
-                    report.blobs_sent += 1
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+            for fut in completed(pool.submit(send, b) for b in missing):
+                report.bytes_sent += fut.result()
+                report.blobs_sent += 1
         dst.store.sync()  # every blob durable before any manifest exists
         for name in todo:
             lease.check()

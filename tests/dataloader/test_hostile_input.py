@@ -754,3 +754,17 @@ def test_random_bit_flips_of_a_real_index_are_caught(small_uri):
     bits = random.Random(20240607).sample(range(8 * len(raw)), 400)
     refused, equal = _flip_campaign(raw, bits)
     assert refused + equal == 400 and refused > 390
+
+
+def test_an_index_fingerprinted_with_the_old_ascii_escaping_still_opens(small_uri) -> None:
+    """Indexes written before the dataloader shared ckptstore's canonical JSON escaped
+    non-ASCII characters; their fingerprints must still check."""
+    from ckptstore.format.hashing import digest
+
+    body = _doc(small_uri)
+    del body["fingerprint"]
+    body["metadata"] = {"note": "café"}
+    legacy = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()  # ensure_ascii
+    raw = canonical_json({**body, "fingerprint": digest(legacy)})
+    assert DatasetIndex.from_bytes(raw).metadata == {"note": "café"}
+    assert b"caf\\u00e9" not in DatasetIndex.from_bytes(raw).to_bytes()  # written UTF-8 now
