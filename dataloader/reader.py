@@ -26,13 +26,13 @@ import numpy as np
 
 from ckptstore.errors import IntegrityError, ObjectNotFoundError, StoreError
 from ckptstore.format.hashing import digest
+from ckptstore.pipeline.ranges import MergedRange, merge_ranges
 from ckptstore.stores import Store
 
 from .cache import ChunkCache
 from .errors import MissingShardError
 from .format import EMPTY, ArrayInfo, DatasetIndex
 from .metrics import Metrics
-from .ranges import MergedRange, merge_ranges
 
 ChunkId = tuple[str, int]  # (array path, chunk number)
 Column = np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray | None]

@@ -25,6 +25,7 @@ from ..format.manifest import ChunkRef, TensorEntry
 from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
+from .ranges import merge_ranges
 
 MiB = 1 << 20
 MERGE_GAP = 1 * MiB  # read across gaps up to this size instead of issuing another request
@@ -208,19 +209,9 @@ def _bad(p: _Piece) -> IntegrityError:
 
 def _merge_runs(pieces: list[_Piece]) -> list[list[_Piece]]:
     """Group ranges of one blob into runs read with one request each."""
-    pieces = sorted(pieces, key=lambda p: p.chunk.offset)
-    runs: list[list[_Piece]] = []
-    end = -1
-    start = 0
-    for p in pieces:
-        c = p.chunk
-        if runs and c.offset - end <= MERGE_GAP and c.offset + c.size - start <= MERGE_LIMIT:
-            runs[-1].append(p)
-            end = max(end, c.offset + c.size)
-        else:
-            runs.append([p])
-            start, end = c.offset, c.offset + c.size
-    return runs
+    merged = merge_ranges(((p.chunk.offset, p.chunk.size, p) for p in pieces), MERGE_GAP,
+                          MERGE_LIMIT)
+    return [[part[2] for part in run.parts] for run in merged]
 
 
 def _job_size(job: tuple[Callable[..., None], tuple[Any, ...]]) -> int:

@@ -9,8 +9,8 @@ import pytest
 
 import dataloader
 from ckptstore import IntegrityError, open_store
+from ckptstore.pipeline.ranges import merge_ranges
 from dataloader.cache import ChunkCache
-from dataloader.ranges import merge_ranges
 
 from .conftest import make_samples
 
