@@ -4,6 +4,10 @@ Layout (docs/format.md): `ckptstore.json` marker, `blobs/ab/<digest>` immutable 
 `checkpoints/<name>.json` manifests. A manifest is created once, after all its blobs are
 durable, and never overwritten: a checkpoint is whole or invisible. `latest` is derived from
 the manifests, never stored.
+
+Why one module of ~590 lines: it is the facade; listing and commit order, the save (prepare,
+write, commit, retry on vanished reuse), the load and the maintenance entry points each take
+a screen, and they share the manifest cache and the save lock.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ Contract: a dataset is whole or invisible. Until `close()` creates the index, re
 dataset; a failed or abandoned write leaves arrays but no index. Chunk digests are taken from the
 exact bytes zarr hands to the store (no read-back). Bad samples raise TypeError/ValueError naming
 the sample index and field, before anything of that sample is written.
+
+Why one module of ~580 lines: sample validation, the per-field zarr arrays and the index are
+one write; the field writers share the block bookkeeping that the index records.
 """
 
 from __future__ import annotations

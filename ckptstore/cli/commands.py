@@ -1,6 +1,10 @@
 """The `ckpt` sub-commands. Each takes the parsed arguments and an Output, prints one result
 (JSON document or tables) and returns an exit code; errors propagate to `main`, which prints
-them as one line (see `classify`)."""
+them as one line (see `classify`).
+
+Why one module of ~540 lines: one short function per sub-command, sharing the repository
+opening and error classification above them; a file per command would repeat those.
+"""
 
 from __future__ import annotations
 

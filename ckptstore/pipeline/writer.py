@@ -8,6 +8,9 @@ buffers) is bounded by a ByteBudget. xxhash, numcodecs and file/socket I/O relea
 Commit order (docs/format.md): every blob is written, then `store.sync()` makes them durable,
 then the manifest is created create-only. Any failure before the commit leaves no checkpoint;
 the blobs already written are unreferenced and later reclaimed by gc.
+
+Why one module of ~460 lines: planning, the chunk and pack jobs and the commit share the
+writer's claim set, stats and memory budget; split, each part would reach into the others.
 """
 
 from __future__ import annotations
