@@ -42,13 +42,13 @@ def node_name(key: str) -> str:
 
 
 class CheckpointZarrStore(Store):
-    """Read-only zarr Store view of one committed checkpoint."""
+    """Read-only zarr Store view of one committed checkpoint: its manifest, read through a
+    CheckpointReader over the store that holds its blobs."""
 
-    def __init__(self, repo: CheckpointStore, name: str) -> None:
+    def __init__(self, reader: CheckpointReader, manifest: Manifest) -> None:
         super().__init__(read_only=True)
-        self._repo = repo
-        self._manifest: Manifest = repo.manifest(name)
-        self._reader = CheckpointReader(repo.store, repo.load_options)
+        self._manifest = manifest
+        self._reader = reader
         self._arrays: dict[str, TensorEntry] = {}
         for entry in self._manifest.tensors:
             self._arrays.setdefault(node_name(entry.key), entry)
@@ -64,11 +64,12 @@ class CheckpointZarrStore(Store):
 
     # -------------------------------------------------------------- identity
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, CheckpointZarrStore) and other._repo is self._repo
+        return (isinstance(other, CheckpointZarrStore)
+                and other._reader.store is self._reader.store
                 and other._manifest.name == self._manifest.name)
 
     def __hash__(self) -> int:
-        return hash((id(self._repo), self._manifest.name))
+        return hash((id(self._reader.store), self._manifest.name))
 
     @property
     def supports_writes(self) -> bool:
@@ -198,6 +199,7 @@ def _slice(data: bytes, byte_range: ByteRequest | None) -> bytes:
 
 def zarr_store(repo: CheckpointStore, name: str) -> CheckpointZarrStore:
     """A read-only zarr v3 Store over checkpoint `name` of `repo`."""
-    return CheckpointZarrStore(repo, name)
+    return CheckpointZarrStore(CheckpointReader(repo.store, repo.load_options),
+                               repo.manifest(name))
 
 
