@@ -382,6 +382,7 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
                "referenced_blobs": report.referenced_blobs,
                "deleted_blobs": report.deleted_blobs, "freed_bytes": report.freed_bytes,
                "kept_young_blobs": report.kept_young_blobs,
+               "min_age_seconds": report.min_age_seconds,
                "deleted_temp_files": report.deleted_temp_files,
                "removed_stale_leases": stale, "saves_in_progress": len(busy),
                "seconds": round(report.seconds, 3), "deleted": report.deleted}
@@ -392,7 +393,7 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
                           f"{report.deleted_temp_files} temp file(s), "
                           f"{human_bytes(report.freed_bytes)}; kept {report.referenced_blobs} "
                           f"referenced and {report.kept_young_blobs} unreferenced blob(s) "
-                          f"younger than the grace period ({args.grace:g}s)")
+                          f"younger than {report.min_age_seconds:g}s")
 
         out.emit(doc, render)
         if busy:
