@@ -87,6 +87,7 @@ def summary(index: DatasetIndex, uri: str) -> dict[str, Any]:
         "num_samples": index.num_samples,
         "rows_per_chunk": index.rows_per_chunk,
         "num_blocks": index.num_blocks,
+        "partitions": len(index.partitions),  # 0: a single-stream (v1) dataset
         "stored_bytes": stored,
         "fields": [
             {
@@ -118,7 +119,11 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"fingerprint  {s['fingerprint']}")
     print(
         f"samples      {s['num_samples']:,} in {s['num_blocks']:,} blocks"
-        f" of {s['rows_per_chunk']:,}"
+        + (
+            f" of up to {s['rows_per_chunk']:,}, in {s['partitions']:,} partitions"
+            if s["partitions"]
+            else f" of {s['rows_per_chunk']:,}"
+        )
     )
     print(f"stored       {s['stored_bytes'] / 1e6:,.1f} MB")
     print("fields:")

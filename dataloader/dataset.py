@@ -116,7 +116,7 @@ class StreamingDataset:
                 " was the write finished?)"
             ) from None
         self.fields: tuple[FieldInfo, ...] = self._select_fields(fields)
-        check_zarr_metadata(self.store, self.index, sorted(self._array_paths()))
+        check_zarr_metadata(self.store, self.index, self.index.array_paths(self.fields))
         self.shuffle, self.seed = bool(shuffle), seed
         self.balance = balance
         self._rank, self._world = rank, world_size
@@ -142,6 +142,7 @@ class StreamingDataset:
             fields=[f.name for f in self.fields],
         )
         self._block_nbytes = self.index.block_nbytes(self.fields)
+        self._block_starts = self.index.block_starts()
         self.io_threads, self.prefetch_bytes = io_threads, prefetch_bytes
         self.batch_size = max(1, int(batch_size))
         self._epoch = 0
@@ -157,7 +158,7 @@ class StreamingDataset:
 
     def _array_paths(self) -> set[str]:
         """The arrays the selected fields read (the only ones ever fetched)."""
-        return {path for f in self.fields for path in f.arrays.values()}
+        return set(self.index.array_paths(self.fields))
 
     # -- identity and order --------------------------------------------------------------
     @property
@@ -223,7 +224,7 @@ class StreamingDataset:
     def make_view(self, order: EpochOrder, w: int, blocks: list[int], data: list[Any]) -> Any:
         n = int(self.index.block_rows()[blocks].sum())
         return PlainView(
-            self.fields, blocks, data, self.index.rows_per_chunk, order.sample_perm(w, n)
+            self.fields, blocks, data, self._block_starts, order.sample_perm(w, n)
         )
 
     def finish_batch(self, batch: dict[str, Any]) -> dict[str, Any]:

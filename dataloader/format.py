@@ -23,7 +23,12 @@ exact int types, the dtypes and limits below, each array against its field) befo
 is sized from it, and `load_index` refuses an object over MAX_INDEX_BYTES from its size alone.
 Every failure is a FormatError naming the field.
 
-Why one module of ~710 lines: the index schema and every validator of untrusted index
+A partitioned dataset (format version 2, written by `commit_dataset`) lists partitions, each
+the layout above under its own prefix ``parts/<index>/`` and each validated as a v1 index of
+its own arrays; blocks are numbered across partitions in order, and a partition's last block
+may be short (see partitions.py and docs/dataloader.md).
+
+Why one module of ~860 lines: the index schema and every validator of untrusted index
 fields, kept together so that each rule is stated once next to the field it guards.
 """
 
@@ -45,6 +50,11 @@ from ckptstore.stores import Store
 
 FORMAT_NAME = "ckptstore.dataloader"
 FORMAT_VERSION = 1
+#: Version of an index made of partitions (`commit_dataset`): each partition is a v1-shaped
+#: set of arrays under ``parts/<index>/``; the index lists them in order.
+PARTITIONED_VERSION = 2
+PARTITION_PREFIX = "parts/"
+_PARTITION_RE = re.compile(r"parts/[0-9]{6,12}")
 INDEX_KEY = "dataset.json"
 KINDS = ("scalar", "fixed", "ragged", "bytes", "str")
 COMPRESSORS = (None, "zstd")
@@ -80,6 +90,18 @@ _INDEX_KEYS = (
     "format", "version", "hash", "num_samples", "rows_per_chunk", "fields", "arrays",
     "metadata", "fingerprint",
 )  # fmt: skip
+
+_PARTITIONED_KEYS = (
+    "format", "version", "hash", "num_samples", "rows_per_chunk", "partitions", "metadata",
+    "fingerprint",
+)  # fmt: skip
+_PART_KEYS = ("prefix", "num_samples", "rows_per_chunk", "fields", "arrays")
+
+
+def partition_prefix(index: int) -> str:
+    """Key prefix (no trailing slash) of partition `index`."""
+    return f"{PARTITION_PREFIX}{index:06d}"
+
 
 _repr = reprlib.Repr()
 _repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlong = 3, 40, 40, 40
@@ -489,13 +511,28 @@ class DatasetIndex:
     arrays: dict[str, ArrayInfo]
     metadata: dict[str, Any]
     fingerprint: str
+    #: (prefix, sub-index) per partition, in order; empty for a v1 (single-stream) dataset.
+    #: A sub-index is a v1 index of the partition's own arrays (paths relative to its prefix).
+    partitions: tuple[tuple[str, DatasetIndex], ...] = ()
 
     @property
     def num_blocks(self) -> int:
+        if self.partitions:
+            return sum(p.num_blocks for _, p in self.partitions)
         return -(-self.num_samples // self.rows_per_chunk) if self.num_samples else 0
 
+    def block_starts(self) -> np.ndarray:
+        """First sample id of each block (b*R for a v1 dataset; a partition's last block may
+        be short, so a partitioned dataset's blocks need not all hold R samples)."""
+        rows = self.block_rows()
+        return np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+
     def block_rows(self) -> np.ndarray:
-        """Samples per block (all R except possibly the last)."""
+        """Samples per block (all R except possibly the last of each partition)."""
+        if self.partitions:
+            return np.concatenate(
+                [np.zeros(0, np.int64)] + [p.block_rows() for _, p in self.partitions]
+            )
         n, r = self.num_samples, self.rows_per_chunk
         rows = np.full(self.num_blocks, r, dtype=np.int64)
         if n % r:
@@ -510,6 +547,12 @@ class DatasetIndex:
 
     def block_nbytes(self, fields: tuple[FieldInfo, ...] | None = None) -> np.ndarray:
         """Approximate decoded bytes per block over the fields' arrays (for prefetch budgets)."""
+        if self.partitions:
+            names = [f.name for f in (fields if fields is not None else self.fields)]
+            return np.concatenate(
+                [np.zeros(0, np.int64)]
+                + [p.block_nbytes(tuple(p.field(n) for n in names)) for _, p in self.partitions]
+            )
         rows = self.block_rows()
         total = np.zeros(self.num_blocks, dtype=np.int64)
         for f in fields if fields is not None else self.fields:
@@ -524,8 +567,27 @@ class DatasetIndex:
                 total += rows * (a.chunk_nbytes // a.chunk_shape[0])
         return total
 
+    def part_body(self) -> dict[str, Any]:
+        """A partition's entry in a partitioned index (without its prefix)."""
+        return {
+            "num_samples": self.num_samples,
+            "rows_per_chunk": self.rows_per_chunk,
+            "fields": [f.to_json() for f in self.fields],
+            "arrays": {k: a.to_json() for k, a in sorted(self.arrays.items())},
+        }
+
     def body(self) -> dict[str, Any]:
         """Everything the fingerprint covers."""
+        if self.partitions:
+            return {
+                "format": FORMAT_NAME,
+                "version": PARTITIONED_VERSION,
+                "hash": HASH_NAME,
+                "num_samples": self.num_samples,
+                "rows_per_chunk": self.rows_per_chunk,
+                "partitions": [{"prefix": k, **p.part_body()} for k, p in self.partitions],
+                "metadata": self.metadata,
+            }
         return {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -553,8 +615,10 @@ class DatasetIndex:
         if len(raw) > MAX_INDEX_BYTES:
             raise FormatError(f"{where}: larger than the {MAX_INDEX_BYTES:,}-byte limit")
         d = parse_json(raw, where)
-        _keys(d, where, _INDEX_KEYS)
-        for key, want in (("format", FORMAT_NAME), ("version", FORMAT_VERSION)):
+        partitioned = isinstance(d, dict) and _same_json(d.get("version"), PARTITIONED_VERSION)
+        _keys(d, where, _PARTITIONED_KEYS if partitioned else _INDEX_KEYS)
+        version = PARTITIONED_VERSION if partitioned else FORMAT_VERSION
+        for key, want in (("format", FORMAT_NAME), ("version", version)):
             if not _same_json(d[key], want):
                 raise FormatError(
                     f"{where}: {key} {short_repr(d[key])} is not supported (want {want!r}; "
@@ -569,6 +633,110 @@ class DatasetIndex:
         rows_per_chunk = check_int(
             d["rows_per_chunk"], f"{where}.rows_per_chunk", 1, MAX_ROWS_PER_CHUNK
         )
+        if partitioned:
+            idx = cls._partitioned(d, where, num_samples, rows_per_chunk, metadata)
+        else:
+            idx = cls._single(d, where, num_samples, rows_per_chunk, metadata)
+        try:
+            fingerprint = cls.compute_fingerprint(idx.body())
+        except (ValueError, RecursionError) as exc:  # cannot happen after the checks above
+            raise FormatError(f"{where}: cannot compute the fingerprint ({exc})") from None
+        if fingerprint != idx.fingerprint and (
+                digest(_legacy_canonical_json(idx.body())) != idx.fingerprint):
+            raise FormatError(f"{where}: fingerprint does not match the index content (corrupt?)")
+        if not partitioned:
+            idx._check_consistency(where)
+        return idx
+
+    @classmethod
+    def _partitioned(
+        cls, d: dict[str, Any], where: str, n: int, r: int, metadata: dict[str, Any]
+    ) -> DatasetIndex:
+        """A v2 index: each partition is checked as a v1 index of its own arrays; together
+        they must have one schema, strictly increasing prefixes and add up to the totals."""
+        raw_parts = _get(d, "partitions", list, where)
+        if not raw_parts:
+            raise FormatError(f"{where}.partitions: a dataset needs at least one partition")
+        parts: list[tuple[str, DatasetIndex]] = []
+        for i, p in enumerate(raw_parts):
+            at = f"{where}.partitions[{i}]"
+            _keys(p, at, _PART_KEYS)
+            prefix = _get(p, "prefix", str, at)
+            if _PARTITION_RE.fullmatch(prefix) is None or prefix != partition_prefix(
+                int(prefix[len(PARTITION_PREFIX) :])
+            ):
+                raise FormatError(f"{at}.prefix: {short_repr(prefix)} is not parts/<number>")
+            number = int(prefix[len(PARTITION_PREFIX) :])
+            if parts and number <= int(parts[-1][0][len(PARTITION_PREFIX) :]):
+                raise FormatError(f"{at}.prefix: partitions must be in increasing order")
+            sub = cls._single(
+                p,
+                at,
+                _int(p, "num_samples", at),
+                check_int(p["rows_per_chunk"], f"{at}.rows_per_chunk", 1, MAX_ROWS_PER_CHUNK),
+                {},
+            )
+            sub._check_consistency(at)
+            if sub.num_samples == 0:
+                raise FormatError(f"{at}.num_samples: an empty partition is not listed")
+            if parts and schema_of(sub) != schema_of(parts[0][1]):
+                raise FormatError(f"{at}.fields: the schema differs from partition 0's")
+            parts.append((prefix, sub))
+        if n != sum(p.num_samples for _, p in parts):
+            raise FormatError(f"{where}.num_samples: {n} is not the partitions' total")
+        if r != max(p.rows_per_chunk for _, p in parts):
+            raise FormatError(f"{where}.rows_per_chunk: {r} is not the partitions' largest")
+        return cls.stitch(parts, metadata, _digest(d["fingerprint"], f"{where}.fingerprint"))
+
+    @classmethod
+    def stitch(
+        cls, parts: list[tuple[str, DatasetIndex]], metadata: dict[str, Any], fingerprint: str
+    ) -> DatasetIndex:
+        """The dataset-level view of partitions: fields with global block_bounds (role paths
+        relative, as in a partition), arrays under their full prefixed paths."""
+        fields = []
+        for f in parts[0][1].fields:
+            bounds = None
+            if f.variable:
+                acc, out = 0, [0]
+                for _, p in parts:
+                    b = p.field(f.name).block_bounds
+                    assert b is not None
+                    out += [acc + x for x in b[1:]]
+                    acc += b[-1]
+                bounds = tuple(out)
+            fields.append(replace(f, block_bounds=bounds))
+        arrays = {
+            f"{k}/{path}": replace(a, path=f"{k}/{path}")
+            for k, p in parts
+            for path, a in p.arrays.items()
+        }
+        return cls(
+            num_samples=sum(p.num_samples for _, p in parts),
+            rows_per_chunk=max(p.rows_per_chunk for _, p in parts),
+            fields=tuple(fields),
+            arrays=arrays,
+            metadata=metadata,
+            fingerprint=fingerprint,
+            partitions=tuple(parts),
+        )
+
+    def array_paths(self, fields: tuple[FieldInfo, ...]) -> list[str]:
+        """Full paths of the arrays the given fields read (in every partition)."""
+        if self.partitions:
+            return sorted(
+                f"{k}/{path}"
+                for k, p in self.partitions
+                for f in fields
+                for path in p.field(f.name).arrays.values()
+            )
+        return sorted(path for f in fields for path in f.arrays.values())
+
+    @classmethod
+    def _single(
+        cls, d: dict[str, Any], where: str, num_samples: int, rows_per_chunk: int,
+        metadata: dict[str, Any],
+    ) -> DatasetIndex:
         arrays: dict[str, ArrayInfo] = {}
         for k, v in _get(d, "arrays", dict, where).items():
             at = f"{where}.arrays[{short_repr(k)}]"
@@ -579,23 +747,15 @@ class DatasetIndex:
             FieldInfo.from_json(f, f"{where}.fields[{i}]")
             for i, f in enumerate(_get(d, "fields", list, where))
         )
-        idx = cls(
+        fp = d.get("fingerprint", "0" * 32)
+        return cls(
             num_samples=num_samples,
             rows_per_chunk=rows_per_chunk,
             fields=fields,
             arrays=arrays,
             metadata=metadata,
-            fingerprint=_digest(d["fingerprint"], f"{where}.fingerprint"),
+            fingerprint=_digest(fp, f"{where}.fingerprint"),
         )
-        try:
-            fingerprint = cls.compute_fingerprint(idx.body())
-        except (ValueError, RecursionError) as exc:  # cannot happen after the checks above
-            raise FormatError(f"{where}: cannot compute the fingerprint ({exc})") from None
-        if fingerprint != idx.fingerprint and (
-                digest(_legacy_canonical_json(idx.body())) != idx.fingerprint):
-            raise FormatError(f"{where}: fingerprint does not match the index content (corrupt?)")
-        idx._check_consistency(where)
-        return idx
 
     def _check_consistency(self, where: str) -> None:
         """Cross-references: unique fields, each field's arrays present with the dtype, shape
@@ -636,6 +796,11 @@ class DatasetIndex:
         unused = sorted(set(self.arrays) - used)
         if unused:
             raise FormatError(f"{where}.arrays: {short_repr(unused)} not used by any field")
+
+
+def schema_of(index: DatasetIndex) -> list[tuple[Any, ...]]:
+    """What partitions must share: each field's name, kind, dtype, shape and ndim."""
+    return [(f.name, f.kind, f.dtype, f.shape, f.ndim) for f in index.fields]
 
 
 def _array_paths(name: str, kind: str, ndim: int) -> dict[str, str]:

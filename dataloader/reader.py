@@ -12,6 +12,8 @@ zarr-python would fetch a shard index and then each chunk one request at a time.
 
 A *block* is the rows of one row-chunk (samples [b*R, (b+1)*R)): its columns are numpy arrays
 (scalar/fixed fields) or (data, offsets[, shapes]) triples with offsets local to the block.
+A partitioned dataset (index version 2) is read by one reader per partition (its keys under
+the partition's prefix), blocks numbered across partitions; their requests are issued together.
 """
 
 from __future__ import annotations
@@ -62,14 +64,32 @@ class BlockReader:
         max_request: int = 16 << 20,
         metrics: Metrics | None = None,
         fields: Sequence[str] | None = None,
+        prefix: str = "",
     ) -> None:
         self.store, self.index, self.cache = store, index, cache
+        self.prefix = prefix  # a partition's key prefix ("parts/000003/"), "" for v1
+        self._rows = index.block_rows()
         self.fields = tuple(index.field(n) for n in fields) if fields is not None else index.fields
         self.merge_gap, self.max_request = merge_gap, max_request
         self.metrics = metrics or Metrics()
         self._indexes: dict[tuple[str, int], np.ndarray] = {}
         self._lock = threading.Lock()
         self._zstd: Any = None
+        # A partitioned dataset: one reader per partition, blocks numbered across them.
+        self._parts: list[BlockReader] = []
+        self._part_start = np.zeros(0, dtype=np.int64)
+        if index.partitions:
+            names = [f.name for f in self.fields]
+            starts = [0]
+            for key, sub in index.partitions:
+                self._parts.append(
+                    BlockReader(
+                        store, sub, cache=cache, merge_gap=merge_gap, max_request=max_request,
+                        metrics=self.metrics, fields=names, prefix=key + "/",
+                    )
+                )
+                starts.append(starts[-1] + sub.num_blocks)
+            self._part_start = np.asarray(starts, dtype=np.int64)
 
     # -- shard indexes -----------------------------------------------------------------
     def shard_index(self, path: str, shard: int) -> np.ndarray:
@@ -80,7 +100,7 @@ class BlockReader:
             return hit
         a = self.index.arrays[path]
         info = a.shards[shard]
-        key = a.shard_key(shard)
+        key = self.prefix + a.shard_key(shard)
         raw = self.cache.get(info.index_digest) if self.cache else None
         if raw is None:
             start = info.nbytes - a.index_nbytes
@@ -146,18 +166,35 @@ class BlockReader:
         off, n = (int(x) for x in self.shard_index(path, shard)[i])
         if off == EMPTY or off + n > a.shards[shard].nbytes or n > a.max_stored_nbytes:
             raise IntegrityError(
-                f"{self.store.uri}: shard index of {a.shard_key(shard)!r} gives no valid location "
+                f"{self.store.uri}: shard index of {self.prefix + a.shard_key(shard)!r} gives no "
+                "valid location "
                 f"for chunk {chunk} of array {path!r} ({n} bytes at offset {off}; a chunk is at "
                 f"most {a.max_stored_nbytes} bytes)"
             )
-        return _Part(path, chunk, a.shard_key(shard), off, n, a.chunk_digest(chunk))
+        return _Part(path, chunk, self.prefix + a.shard_key(shard), off, n, a.chunk_digest(chunk))
 
     # -- loading ---------------------------------------------------------------------------
     def load_blocks(self, blocks: Sequence[int], executor: Executor) -> list[Block]:
         """Fetch, verify and decode the given blocks (requests run on `executor`)."""
+        if self._parts:
+            return self._load_partitioned(blocks, executor)
         chunks = self.chunks_for_blocks(blocks)
+        _wait_all(self._submit_shard_indexes(chunks, executor))
+        decoded, futures = self._submit_fetches(chunks, executor)
+        for fut in _wait_all(futures):
+            decoded.update(fut.result())
+        return [self._assemble(b, decoded) for b in blocks]
+
+    def _submit_shard_indexes(
+        self, chunks: Sequence[ChunkId], executor: Executor
+    ) -> list[Future[Any]]:
         shards = [s for s in self.shards_for(chunks) if s not in self._indexes]
-        _wait_all([executor.submit(self.shard_index, p, s) for p, s in shards])
+        return [executor.submit(self.shard_index, p, s) for p, s in shards]
+
+    def _submit_fetches(
+        self, chunks: Sequence[ChunkId], executor: Executor
+    ) -> tuple[dict[ChunkId, np.ndarray], list[Future[Any]]]:
+        """Chunks served from the cache, and the submitted (merged) reads of the others."""
         parts = [self._part(p, c) for p, c in chunks]
         decoded: dict[ChunkId, np.ndarray] = {}
         if self.cache is not None:
@@ -178,9 +215,30 @@ class BlockReader:
             for key, items in by_key.items()
             for req in merge_ranges(items, self.merge_gap, self.max_request)
         ]
-        for fut in _wait_all(futures):
-            decoded.update(fut.result())
-        return [self._assemble(b, decoded) for b in blocks]
+        return decoded, futures
+
+    def _load_partitioned(self, blocks: Sequence[int], executor: Executor) -> list[Block]:
+        """Blocks of several partitions: every partition's shard indexes, then every
+        partition's reads, are in flight together (one round trip each, as for v1)."""
+        where = np.searchsorted(self._part_start, np.asarray(blocks, dtype=np.int64), "right") - 1
+        wanted: dict[int, list[int]] = {}
+        for b, p in zip(blocks, where.tolist(), strict=True):
+            wanted.setdefault(p, []).append(int(b) - int(self._part_start[p]))
+        chunks = {p: self._parts[p].chunks_for_blocks(local) for p, local in wanted.items()}
+        index_jobs = [self._parts[p]._submit_shard_indexes(c, executor) for p, c in chunks.items()]
+        _wait_all([f for jobs in index_jobs for f in jobs])
+        decoded: dict[int, dict[ChunkId, np.ndarray]] = {}
+        futures: list[tuple[int, Future[Any]]] = []
+        for p, c in chunks.items():
+            decoded[p], futs = self._parts[p]._submit_fetches(c, executor)
+            futures += [(p, f) for f in futs]
+        _wait_all([f for _, f in futures])
+        for p, fut in futures:
+            decoded[p].update(fut.result())
+        return [
+            self._parts[p]._assemble(int(b) - int(self._part_start[p]), decoded[p])
+            for b, p in zip(blocks, where.tolist(), strict=True)
+        ]
 
     def _fetch(self, key: str, req: MergedRange[_Part]) -> list[tuple[ChunkId, np.ndarray]]:
         buf = np.empty(req.length, dtype=np.uint8)  # not zero-filled
@@ -252,7 +310,7 @@ class BlockReader:
 
     def _assemble(self, b: int, chunks: dict[ChunkId, np.ndarray]) -> Block:
         idx = self.index
-        n = int(idx.block_rows()[b]) if b == idx.num_blocks - 1 else idx.rows_per_chunk
+        n = int(self._rows[b])
         block: Block = {}
         for f in self.fields:
             if not f.variable:

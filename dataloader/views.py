@@ -50,7 +50,7 @@ class PlainView:
         fields: Sequence[FieldInfo],
         blocks: Sequence[int],
         data: Sequence[Block],
-        rows_per_chunk: int,
+        block_starts: np.ndarray,
         perm: np.ndarray,
     ) -> None:
         self.fields = tuple(fields)
@@ -61,7 +61,8 @@ class PlainView:
         local = np.arange(n, dtype=np.int64)
         self.block_of = np.searchsorted(starts, local, side="right") - 1
         self.row_of = local - starts[self.block_of]
-        self.ids = np.asarray(blocks, dtype=np.int64)[self.block_of] * rows_per_chunk + self.row_of
+        first = np.asarray(block_starts, dtype=np.int64)[np.asarray(blocks, dtype=np.int64)]
+        self.ids = first[self.block_of] + self.row_of
         self.perm = perm
 
     def gather(self, start: int, stop: int) -> Batch:

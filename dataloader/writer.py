@@ -7,7 +7,7 @@ dataset; a failed or abandoned write leaves arrays but no index. Chunk digests a
 exact bytes zarr hands to the store (no read-back). Bad samples raise TypeError/ValueError naming
 the sample index and field, before anything of that sample is written.
 
-Why one module of ~580 lines: sample validation, the per-field zarr arrays and the index are
+Why one module of ~670 lines: sample validation, the per-field zarr arrays and the index are
 one write; the field writers share the block bookkeeping that the index records.
 """
 
@@ -219,6 +219,7 @@ class _ArrayWriter:
             compressors=compressors,
             fill_value=0,
             config={"write_empty_chunks": True},
+            overwrite=True,  # a partition written again: same keys, same bytes
         )
         self.pending: list[np.ndarray] = []
         self.pending_rows = 0
@@ -299,6 +300,7 @@ class DatasetWriter:
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         store_options: Mapping[str, Any] | None = None,
+        prefix: str = "",
     ) -> None:
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
@@ -314,10 +316,15 @@ class DatasetWriter:
         self.data_chunk_bytes = data_chunk_bytes
         self.compression = compression
         self.metadata = dict(metadata or {})
-        self._check_target(overwrite)
+        # prefix: write a partition's arrays under it (see partitions.py); nothing is committed
+        # and nothing outside the prefix is touched.
+        self._prefix = prefix.strip("/")
+        if not self._prefix:
+            self._check_target(overwrite)
         self._lock = threading.Lock()
         self._arrays: dict[str, _ArrayWriter] = {}
-        self._adapter = ZarrStoreAdapter(self.store, on_set=self._on_set)
+        adapter = _KeepingAdapter if self._prefix else ZarrStoreAdapter
+        self._adapter = adapter(self.store, self._prefix, on_set=self._on_set)
         self._group: zarr.Group | None = None
         self._specs: dict[str, _Spec] | None = None
         self._probe_specs: dict[str, _Spec] | None = None
@@ -326,6 +333,7 @@ class DatasetWriter:
         self._block: list[dict[str, Any]] = []
         self._R = 0
         self._count = 0
+        self.first_sample = 0  # number of the first sample, in error messages (partitions)
         self._bounds: dict[str, list[int]] = {}
         self._data_len: dict[str, int] = {}
         self._closed = False
@@ -349,6 +357,8 @@ class DatasetWriter:
 
     # -- zarr hook ------------------------------------------------------------------------
     def _on_set(self, key: str, data: memoryview) -> None:
+        if self._prefix:
+            key = key[len(self._prefix) + 1 :]
         path, sep, rest = key.partition("/c/")
         if not sep:
             return
@@ -362,7 +372,7 @@ class DatasetWriter:
         """Validate and buffer one sample; whole shards are written as they fill."""
         if self._closed:
             raise ValueError("writer is closed")
-        i = self._count
+        i = self._count + self.first_sample
         if not isinstance(sample, Mapping):
             raise TypeError(
                 f"sample {i}: expected a dict of field -> value, got {type(sample).__name__}"
@@ -370,17 +380,7 @@ class DatasetWriter:
         if self._specs is None:
             specs = self._probe_specs
             if specs is None:
-                specs = {}
-                if not sample:
-                    raise ValueError(f"sample {i}: a sample needs at least one field")
-                for name, value in sample.items():
-                    validate_field_name(name)
-                    specs[name] = _infer(i, name, value, self.schema.get(name))
-                unknown = set(self.schema) - set(specs)
-                if unknown:
-                    raise ValueError(
-                        f"sample {i}: schema names fields {sorted(unknown)} not in the sample"
-                    )
+                specs = infer_specs(i, sample, self.schema)
                 self._probe_specs = specs
         else:
             specs = self._specs
@@ -397,36 +397,35 @@ class DatasetWriter:
     def _check_sample(
         self, i: int, sample: Mapping[str, Any], specs: dict[str, _Spec]
     ) -> dict[str, Any]:
-        keys = set(sample)
-        if keys != set(specs):
-            missing, extra = sorted(set(specs) - keys), sorted(keys - set(specs))
-            parts = ([f"missing field(s) {missing}"] if missing else []) + (
-                [f"unexpected field(s) {extra}"] if extra else []
-            )
-            raise ValueError(f"sample {i}: {', '.join(parts)} (fields are {sorted(specs)})")
-        return {name: _coerce(i, spec, sample[name]) for name, spec in specs.items()}
+        return check_sample(i, sample, specs)
 
-    def _start(self) -> None:
-        """Decide the chunking from the probe, create the arrays, push the probe samples."""
+    def _start(self, final: bool = False) -> None:
+        """Decide the chunking from the probe, create the arrays, push the probe samples.
+        `final`: the probe holds every sample, so nothing is sized beyond what it needs (a
+        small dataset is not padded to a default-sized block, chunk or shard)."""
         specs = self._probe_specs or {}
         self._specs = specs
-        n = max(1, len(self._probe))
+        total = len(self._probe)
+        R = self.rows_per_chunk or choose_rows_per_chunk(
+            specs, self._probe, self.chunk_bytes, final
+        )
+        self._R = R
+        n = max(1, total)
         per_field = {
             k: sum(_value_nbytes(s, r[k]) for r in self._probe) / n for k, s in specs.items()
         }
-        row_bytes = max(1.0, sum(per_field.values()))
-        R = self.rows_per_chunk or int(min(max(1, self.chunk_bytes // row_bytes), 1 << 16))
-        self._R = R
         self._group = zarr.open_group(store=self._adapter, mode="w", attributes={"dataloader": 1})
 
-        def shards(chunk_nbytes: int) -> int:
-            return int(min(max(1, self.shard_bytes // max(1, chunk_nbytes)), _MAX_CHUNKS_PER_SHARD))
+        def shards(chunk_nbytes: int, chunks_needed: int | None = None) -> int:
+            per = int(min(max(1, self.shard_bytes // max(1, chunk_nbytes)), _MAX_CHUNKS_PER_SHARD))
+            return min(per, max(1, chunks_needed)) if final and chunks_needed is not None else per
 
+        row_chunks = -(-(total + 1) // R)  # offsets arrays hold N+1 rows
         for name, spec in specs.items():
             if spec.kind in ("scalar", "fixed"):
                 inner = spec.shape or ()
                 nb = R * math.prod(inner) * spec.dtype.itemsize
-                self._add_array(name, spec.dtype, inner, R, shards(nb))
+                self._add_array(name, spec.dtype, inner, R, shards(nb, row_chunks))
                 continue
             item = spec.dtype.itemsize
             block_data = max(1.0, per_field[name] - 8) * R
@@ -434,11 +433,20 @@ class DatasetWriter:
                 min(max(4 << 10, block_data / 4), self.chunk_bytes)
             )
             ce = max(1, chunk_b // item)
-            self._add_array(f"{name}/data", spec.dtype, (), ce, shards(ce * item))
-            self._add_array(f"{name}/offsets", np.dtype(np.int64), (), R, shards(8 * R))
+            elems = sum(_value_nbytes(spec, r[name]) - 8 for r in self._probe) // item
+            if final and self.data_chunk_bytes is None:
+                ce = min(ce, max(1, elems))
+            self._add_array(
+                f"{name}/data", spec.dtype, (), ce, shards(ce * item, -(-elems // ce))
+            )
+            self._add_array(f"{name}/offsets", np.dtype(np.int64), (), R, shards(8 * R, row_chunks))
             if spec.kind == "ragged" and spec.ndim > 1:
                 self._add_array(
-                    f"{name}/shapes", np.dtype(np.int64), (spec.ndim,), R, shards(8 * R * spec.ndim)
+                    f"{name}/shapes",
+                    np.dtype(np.int64),
+                    (spec.ndim,),
+                    R,
+                    shards(8 * R * spec.ndim, row_chunks),
                 )
             self._bounds[name] = [0]
             self._data_len[name] = 0
@@ -503,12 +511,29 @@ class DatasetWriter:
     # -- commit ---------------------------------------------------------------------------
     def close(self) -> DatasetIndex:
         """Write the remaining rows and the index (create-only). Returns the index."""
+        index = self.finish_arrays()
+        raw = index.to_bytes()
+        if len(raw) > MAX_INDEX_BYTES:
+            raise ValueError(
+                f"the dataset index would be {len(raw):,} bytes, over the {MAX_INDEX_BYTES:,}-byte"
+                " limit readers accept (use larger chunks and shards)"
+            )
+        self.store.sync()
+        self.store.create(INDEX_KEY, raw)
+        self._closed = True
+        if self._owns_store:
+            self.store.close()
+        return index
+
+    def finish_arrays(self) -> DatasetIndex:
+        """Write the remaining rows; return the index of what was written, creating nothing
+        visible (a partition's arrays: `close` and `commit_dataset` make datasets visible)."""
         if self._closed:
             raise ValueError("writer is closed")
         if self._specs is None:
             if self._probe_specs is None:
                 raise ValueError("no samples were written (a dataset needs at least one sample)")
-            self._start()
+            self._start(final=True)
         self._flush_block()
         assert self._specs is not None
         for name, spec in self._specs.items():
@@ -546,18 +571,14 @@ class DatasetWriter:
             self.metadata,
             DatasetIndex.compute_fingerprint(body),
         )
-        raw = index.to_bytes()
-        if len(raw) > MAX_INDEX_BYTES:
-            raise ValueError(
-                f"the dataset index would be {len(raw):,} bytes, over the {MAX_INDEX_BYTES:,}-byte"
-                " limit readers accept (use larger chunks and shards)"
-            )
-        self.store.sync()
-        self.store.create(INDEX_KEY, raw)
-        self._closed = True
-        if self._owns_store:
-            self.store.close()
         return index
+
+    def abandon(self) -> None:
+        """Stop without committing (closes the store if this writer opened it)."""
+        if not self._closed:
+            self._closed = True
+            if self._owns_store:
+                self.store.close()
 
     def __enter__(self) -> DatasetWriter:
         return self
@@ -571,12 +592,79 @@ class DatasetWriter:
                 self.store.close()
 
 
+def infer_specs(i: int, sample: Mapping[str, Any], schema: Mapping[str, str]) -> dict[str, _Spec]:
+    """The fields' specs, from sample `i` (the first) and the declared kinds."""
+    if not sample:
+        raise ValueError(f"sample {i}: a sample needs at least one field")
+    specs = {}
+    for name, value in sample.items():
+        validate_field_name(name)
+        specs[name] = _infer(i, name, value, schema.get(name))
+    unknown = set(schema) - set(specs)
+    if unknown:
+        raise ValueError(f"sample {i}: schema names fields {sorted(unknown)} not in the sample")
+    return specs
+
+
+def check_sample(i: int, sample: Mapping[str, Any], specs: dict[str, _Spec]) -> dict[str, Any]:
+    """Check sample `i` against the specs; return its values as the writer keeps them."""
+    keys = set(sample)
+    if keys != set(specs):
+        missing, extra = sorted(set(specs) - keys), sorted(keys - set(specs))
+        parts = ([f"missing field(s) {missing}"] if missing else []) + (
+            [f"unexpected field(s) {extra}"] if extra else []
+        )
+        raise ValueError(f"sample {i}: {', '.join(parts)} (fields are {sorted(specs)})")
+    return {name: _coerce(i, spec, sample[name]) for name, spec in specs.items()}
+
+
+class _KeepingAdapter(ZarrStoreAdapter):
+    """A partition's zarr store: never deletes. A partition written again (a retried or
+    speculative task) overwrites its keys with the same bytes; a concurrent duplicate must not
+    delete objects another copy has already reported."""
+
+    async def delete(self, key: str) -> None:
+        return None
+
+    def with_read_only(self, read_only: bool = False) -> ZarrStoreAdapter:
+        return _KeepingAdapter(self.store, self.prefix, read_only, self.on_set)
+
+
+def choose_rows_per_chunk(
+    specs: Mapping[str, _Spec], probe: list[dict[str, Any]], chunk_bytes: int, final: bool
+) -> int:
+    """Samples per block: about `chunk_bytes` of the probe's average row, at most 65,536, and
+    (when the probe is the whole dataset) at most the number of samples."""
+    n = max(1, len(probe))
+    per_field = {k: sum(_value_nbytes(s, r[k]) for r in probe) / n for k, s in specs.items()}
+    row_bytes = max(1.0, sum(per_field.values()))
+    R = int(min(max(1, chunk_bytes // row_bytes), 1 << 16))
+    return max(1, min(R, len(probe))) if final else R
+
+
 def write_dataset(
-    uri: str | Store, samples: Iterable[Mapping[str, Any]], **options: Any
+    uri: str | Store,
+    samples: Iterable[Mapping[str, Any]],
+    *,
+    workers: int | None = None,
+    partition_rows: int | None = None,
+    **options: Any,
 ) -> DatasetIndex:
     """Write `samples` as a dataset at `uri` and return its index. See DatasetWriter for
     options (schema, rows_per_chunk, chunk_bytes, shard_bytes, compression, metadata,
-    overwrite, store_options)."""
+    overwrite, store_options).
+
+    `workers`: None writes one stream (a v1 dataset, arrays at the root). An int (0: the
+    number of cores) encodes and writes partitions of `partition_rows` samples on that many
+    threads and commits them (a partitioned dataset, see partitions.py); the result is the
+    same, byte for byte, for every number of workers. `executor="processes"` uses forked
+    processes instead of threads (see partitions.write_dataset_parallel)."""
+    if workers is not None or partition_rows is not None or "executor" in options:
+        from .partitions import write_dataset_parallel
+
+        return write_dataset_parallel(
+            uri, samples, workers=workers or None, partition_rows=partition_rows, **options
+        )
     with DatasetWriter(uri, **options) as writer:
         for sample in samples:
             writer.add(sample)

@@ -1,0 +1,440 @@
+"""Datasets written as partitions, by any engine: threads, processes, Ray, many machines.
+
+    receipt = write_partition(uri, i, samples_i, rows_per_chunk=...)  # anywhere, any order
+    index = commit_dataset(uri, [receipt_0, receipt_1, ...])          # once, anywhere
+
+`write_partition` writes one partition's arrays under ``parts/<i>/`` (a v1-shaped set of zarr
+arrays of its own) and makes nothing visible; it returns a *receipt*: a small JSON-able dict
+(sample count, blocks, block bounds, shard sizes and digests). `commit_dataset` checks every
+receipt against the store (each array's zarr.json, each shard's size and shard-index digest)
+and creates ``dataset.json`` (format version 2) listing the partitions in order: create-only,
+the commit point. Writing a partition again writes the same bytes to the same keys (zarr output
+is deterministic and a partition's writer never deletes), so a retried or speculative task is
+harmless, and the same partitions always give the same index and fingerprint.
+
+Partitions never committed (an abandoned job, a retried task's older copy under another
+index) are orphans: `gc_partitions` removes the ``parts/<i>/`` prefixes that the committed
+index does not list and whose newest object is older than a grace period.
+
+`write_dataset_parallel` (``write_dataset(..., workers=N)``) is this API driven by threads.
+JSON only: receipts and indexes never go through pickle.
+
+Why one module of ~430 lines: the partition lifecycle (write, receipt, commit checks, orphan
+collection) and its two local drivers (threads, forked processes) share the receipt format.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from ckptstore.errors import FormatError, ObjectExistsError, ObjectNotFoundError
+from ckptstore.format.hashing import HASH_NAME, digest
+from ckptstore.stores import Store, open_store
+
+from .format import (
+    FORMAT_NAME,
+    INDEX_KEY,
+    MAX_INDEX_BYTES,
+    PARTITION_PREFIX,
+    PARTITIONED_VERSION,
+    DatasetIndex,
+    check_int,
+    check_zarr_metadata,
+    load_index,
+    partition_prefix,
+    short_repr,
+)
+from .writer import (
+    _PROBE_BYTES,
+    _PROBE_SAMPLES,
+    DatasetWriter,
+    _Spec,
+    _value_nbytes,
+    check_sample,
+    choose_rows_per_chunk,
+    infer_specs,
+)
+
+__all__ = ["commit_dataset", "gc_partitions", "write_dataset_parallel", "write_partition"]
+
+RECEIPT_FORMAT = FORMAT_NAME + ".partition"
+RECEIPT_VERSION = 1
+MAX_PARTITION = 10**12 - 1  # parts/ + up to 12 digits
+_WRITER_OPTIONS = (
+    "schema", "rows_per_chunk", "chunk_bytes", "shard_bytes", "data_chunk_bytes", "compression",
+    "store_options",
+)  # fmt: skip
+
+
+def write_partition(
+    uri: str | Store,
+    index: int,
+    samples: Iterable[Mapping[str, Any]],
+    *,
+    first_sample: int = 0,
+    **options: Any,
+) -> dict[str, Any]:
+    """Write partition `index` (samples in order) under ``parts/<index>/``; return its receipt.
+
+    Nothing becomes visible. Options as for DatasetWriter: schema, rows_per_chunk, chunk_bytes,
+    shard_bytes, data_chunk_bytes, compression, store_options. Pass the same `schema` (and
+    usually the same `rows_per_chunk`) to every partition: `commit_dataset` refuses partitions
+    whose fields differ. An empty partition writes nothing and gives a receipt that the commit
+    skips. Safe to call again for the same index (same samples: same bytes, same receipt).
+    `first_sample` only numbers the samples in error messages."""
+    index = check_int(index, "partition index", 0, MAX_PARTITION, ValueError)
+    unknown = sorted(set(options) - set(_WRITER_OPTIONS))
+    if unknown:
+        raise TypeError(f"write_partition: unexpected option(s) {unknown} (metadata: commit)")
+    prefix = partition_prefix(index)
+    head = {"format": RECEIPT_FORMAT, "version": RECEIPT_VERSION, "partition": index}
+    writer = DatasetWriter(uri, prefix=prefix, **options)
+    writer.first_sample = check_int(first_sample, "first_sample", 0, None, ValueError)
+    try:
+        n = 0
+        for sample in samples:
+            writer.add(sample)
+            n += 1
+        if n == 0:
+            return {**head, "prefix": prefix, "num_samples": 0}
+        sub = writer.finish_arrays()
+        writer.store.sync()
+    finally:
+        writer.abandon()
+    return {**head, "prefix": prefix, **sub.part_body()}
+
+
+def _parse_receipt(r: Any, i: int) -> tuple[int, dict[str, Any]] | None:
+    """(partition index, its entry in the index) or None for an empty partition."""
+    where = f"receipt {i}"
+    if not isinstance(r, Mapping):
+        raise FormatError(f"{where}: expected a dict, got {type(r).__name__}")
+    version = r.get("version")
+    if r.get("format") != RECEIPT_FORMAT or type(version) is not int or version != RECEIPT_VERSION:
+        raise FormatError(f"{where}: not a partition receipt (format/version)")
+    p = check_int(r.get("partition"), f"{where}.partition", 0, MAX_PARTITION)
+    if r.get("prefix") != partition_prefix(p):
+        raise FormatError(f"{where}.prefix: {short_repr(r.get('prefix'))} is not partition {p}'s")
+    n = check_int(r.get("num_samples"), f"{where}.num_samples")
+    entry = {k: v for k, v in r.items() if k not in ("format", "version", "partition")}
+    if n == 0:
+        if set(entry) != {"prefix", "num_samples"}:
+            raise FormatError(f"{where}: an empty partition's receipt lists arrays")
+        return None
+    return p, entry
+
+
+def commit_dataset(
+    uri: str | Store,
+    receipts: Sequence[Mapping[str, Any]],
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    store_options: Mapping[str, Any] | None = None,
+) -> DatasetIndex:
+    """Check the receipts against the store and create ``dataset.json`` (create-only).
+
+    Receipts may come in any order (and a partition's receipt twice, if equal); the dataset
+    lists the non-empty partitions by index. Every array's zarr.json must agree with its
+    receipt and every shard must exist with the recorded size and shard-index digest. Committing
+    the same receipts again where that exact index exists returns it; any other existing index
+    raises ObjectExistsError."""
+    store = open_store(uri, **dict(store_options or {}))
+    try:
+        entries: dict[int, dict[str, Any]] = {}
+        for i, r in enumerate(receipts):
+            parsed = _parse_receipt(r, i)
+            if parsed is None:
+                continue
+            p, entry = parsed
+            if p in entries and entries[p] != entry:
+                raise FormatError(f"receipt {i}: partition {p} was reported twice, differently")
+            entries[p] = entry
+        if not entries:
+            raise ValueError("no samples in any partition (a dataset needs at least one sample)")
+        total = sum(int(e["num_samples"]) for e in entries.values())
+        rows = max(int(e["rows_per_chunk"]) for e in entries.values())
+        meta = dict(metadata or {})
+        doc: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "version": PARTITIONED_VERSION,
+            "hash": HASH_NAME,
+            "num_samples": total,
+            "rows_per_chunk": rows,
+            "partitions": [entries[p] for p in sorted(entries)],
+            "metadata": meta,
+            "fingerprint": "0" * 32,
+        }
+        draft = DatasetIndex._partitioned(doc, "commit", total, rows, meta)
+        index = replace(draft, fingerprint=DatasetIndex.compute_fingerprint(draft.body()))
+        raw = index.to_bytes()
+        if len(raw) > MAX_INDEX_BYTES:
+            raise ValueError(f"the dataset index would be {len(raw):,} bytes (over the limit)")
+        index = DatasetIndex.from_bytes(raw, f"{store.uri}/{INDEX_KEY}")  # the reader's checks
+        verify_partitions(store, index)
+        store.sync()
+        try:
+            store.create(INDEX_KEY, raw)
+        except ObjectExistsError:
+            if store.get(INDEX_KEY) != raw:
+                raise ObjectExistsError(
+                    f"{store.uri}: a different dataset exists here already"
+                ) from None
+        return index
+    finally:
+        if not isinstance(uri, Store):
+            store.close()
+
+
+def verify_partitions(store: Store, index: DatasetIndex) -> None:
+    """Every array's zarr.json agrees with the index; every shard exists with its recorded
+    size and shard-index digest (the chunk digests are checked by readers, per chunk)."""
+    check_zarr_metadata(store, index, sorted(index.arrays))
+    for path, a in index.arrays.items():
+        for s, shard in enumerate(a.shards):
+            key = a.shard_key(s)
+            try:
+                size = store.stat(key).size
+            except ObjectNotFoundError:
+                raise FormatError(f"{store.uri}: shard {key!r} is missing") from None
+            if size != shard.nbytes:
+                raise FormatError(
+                    f"{store.uri}: shard {key!r} has {size} bytes, the receipt says {shard.nbytes}"
+                )
+            tail = store.get_range(key, size - a.index_nbytes, a.index_nbytes)
+            if digest(tail) != shard.index_digest:
+                raise FormatError(
+                    f"{store.uri}: shard {key!r} (array {path!r}) does not match its receipt"
+                )
+
+
+def gc_partitions(
+    uri: str | Store,
+    *,
+    grace_seconds: float = 24 * 3600,
+    now: float | None = None,
+    dry_run: bool = False,
+    store_options: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Delete orphan partitions: ``parts/<i>/`` prefixes the committed ``dataset.json`` does not
+    list (all of them if there is none), whose newest object is older than `grace_seconds`.
+    Returns the deleted prefixes. The grace period must exceed the longest write + commit of
+    a job still running: a partition younger than it may be about to be committed."""
+    store = open_store(uri, **dict(store_options or {}))
+    try:
+        keep: set[str] = set()
+        try:
+            keep = {k for k, _ in load_index(store).partitions}
+        except ObjectNotFoundError:
+            pass
+        now = time.time() if now is None else now
+        newest: dict[str, float] = {}
+        keys: dict[str, list[str]] = {}
+        for info in store.list(PARTITION_PREFIX):
+            prefix = "/".join(info.key.split("/")[:2])
+            if prefix in keep:
+                continue
+            newest[prefix] = max(newest.get(prefix, 0.0), info.mtime)
+            keys.setdefault(prefix, []).append(info.key)
+        doomed = sorted(p for p, t in newest.items() if now - t >= grace_seconds)
+        if not dry_run:
+            for prefix in doomed:
+                for key in keys[prefix]:
+                    store.delete(key)
+        return doomed
+    finally:
+        if not isinstance(uri, Store):
+            store.close()
+
+
+# -- the same API driven by threads -----------------------------------------------------
+def _probe(
+    it: Iterator[Mapping[str, Any]], schema: Mapping[str, str]
+) -> tuple[list[Mapping[str, Any]], dict[str, _Spec], list[dict[str, Any]], bool]:
+    """Read and check the first samples (as DatasetWriter's probe does, with the same
+    messages): the samples, their specs, their values as the writer keeps them, and whether
+    that was every sample."""
+    probe: list[Mapping[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    specs: dict[str, _Spec] = {}
+    size = 0
+    for sample in it:
+        i = len(probe)
+        if not isinstance(sample, Mapping):
+            raise TypeError(
+                f"sample {i}: expected a dict of field -> value, got {type(sample).__name__}"
+            )
+        if not specs:
+            specs = infer_specs(i, sample, schema)
+        rows.append(check_sample(i, sample, specs))
+        probe.append(sample)
+        size += sum(_value_nbytes(specs[k], v) for k, v in rows[-1].items())
+        if len(probe) >= _PROBE_SAMPLES or size >= _PROBE_BYTES:
+            return probe, specs, rows, False
+    return probe, specs, rows, True
+
+
+def write_dataset_parallel(
+    uri: str | Store,
+    samples: Iterable[Mapping[str, Any]],
+    *,
+    workers: int | None = None,
+    partition_rows: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    executor: str = "threads",
+    **options: Any,
+) -> DatasetIndex:
+    """`write_dataset` with `workers` threads: partitions of `partition_rows` samples (default
+    4 blocks) are written concurrently and committed in order. The result depends only on the
+    samples and options, never on `workers` or `executor` (same bytes, same fingerprint).
+    Memory: at most workers + 2 partitions of samples are held at a time.
+
+    `executor="processes"`: forked worker processes (POSIX only) each write every
+    `workers`-th partition of `samples`, which must then be a sequence already in memory
+    (a list): the children read it from the memory they inherit, so no sample is serialized;
+    receipts come back as JSON bytes over pipes. `uri` must be a URI, not a memory store."""
+    workers = check_int(workers or os.cpu_count() or 1, "workers", 1, 4096, ValueError)
+    unknown = sorted(set(options) - set(_WRITER_OPTIONS))
+    if unknown:
+        raise TypeError(f"write_dataset: unexpected option(s) {unknown}")
+    if executor not in ("threads", "processes"):
+        raise ValueError(f"executor must be 'threads' or 'processes', got {executor!r}")
+    store_options = dict(options.pop("store_options", None) or {})
+    if executor == "processes":
+        if not isinstance(samples, Sequence) or isinstance(uri, Store):
+            raise ValueError("executor='processes' needs a sequence of samples and a URI")
+        if uri.startswith("memory://"):
+            raise ValueError("executor='processes' cannot write to a memory store")
+    store = open_store(uri, **store_options)
+    try:
+        _clear_target(store, overwrite)
+        it = iter(samples)
+        probe, specs, rows, final = _probe(it, dict(options.get("schema") or {}))
+        R = options.get("rows_per_chunk") or (
+            choose_rows_per_chunk(specs, rows, int(options.get("chunk_bytes", 4 << 20)), final)
+            if specs
+            else 1
+        )
+        del rows
+        opts = {**options, "rows_per_chunk": R}
+        if specs:  # every partition gets the kinds the first samples showed
+            opts["schema"] = {k: s.kind for k, s in specs.items()}
+        per_part = partition_rows or 4 * R
+        per_part = check_int(per_part, "partition_rows", 1, None, ValueError)
+        if executor == "processes":
+            assert isinstance(samples, Sequence) and isinstance(uri, str)
+            opts["store_options"] = store_options
+            receipts = _write_forked(uri, samples, per_part, workers, opts)
+            return commit_dataset(store, receipts, metadata)
+
+        def write(p: int, part: list[Mapping[str, Any]]) -> dict[str, Any]:
+            return write_partition(store, p, part, first_sample=p * per_part, **opts)
+
+        receipts = []
+        pending: deque[Future[dict[str, Any]]] = deque()
+        with ThreadPoolExecutor(workers, thread_name_prefix="dataloader-write") as pool:
+            try:
+                part: list[Mapping[str, Any]] = []
+                p = 0
+                samples_in_order = itertools.chain(probe, it)
+                del probe  # held by the chain only until it is consumed
+                for sample in samples_in_order:
+                    part.append(sample)
+                    if len(part) == per_part:
+                        pending.append(pool.submit(write, p, part))
+                        part, p = [], p + 1
+                        while len(pending) > workers:
+                            receipts.append(pending.popleft().result())
+                if part or p == 0:
+                    pending.append(pool.submit(write, p, part))
+                while pending:
+                    receipts.append(pending.popleft().result())
+            except BaseException:
+                for fut in pending:
+                    fut.cancel()
+                raise
+        return commit_dataset(store, receipts, metadata)
+    finally:
+        if not isinstance(uri, Store):
+            store.close()
+
+
+def _write_forked(
+    uri: str, samples: Sequence[Mapping[str, Any]], per_part: int, workers: int,
+    opts: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Partitions written by `workers` forked processes (partition p by child p % workers).
+    Only bytes cross the pipes (JSON receipts, error text): nothing is pickled."""
+    ctx = multiprocessing.get_context("fork")
+    count = max(1, -(-len(samples) // per_part))
+    workers = min(workers, count)
+
+    def child(k: int, conn: Any) -> None:
+        try:
+            for p in range(k, count, workers):
+                part = samples[p * per_part : (p + 1) * per_part]
+                receipt = write_partition(uri, p, part, first_sample=p * per_part, **opts)
+                conn.send_bytes(json.dumps(receipt).encode())
+        except BaseException as exc:  # reported to the parent, which raises
+            conn.send_bytes(b"!" + f"partition write failed: {type(exc).__name__}: {exc}".encode())
+        finally:
+            conn.close()
+
+    conns, procs = [], []
+    try:
+        for k in range(workers):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=child, args=(k, send), daemon=True)
+            proc.start()
+            send.close()
+            conns.append(recv)
+            procs.append(proc)
+        receipts: list[dict[str, Any]] = []
+        for conn in conns:
+            while True:
+                try:
+                    raw = conn.recv_bytes()
+                except EOFError:
+                    break
+                if raw.startswith(b"!"):
+                    raise RuntimeError(raw[1:].decode(errors="replace"))
+                receipts.append(json.loads(raw))
+        for proc in procs:
+            proc.join()
+            if proc.exitcode != 0:
+                raise RuntimeError(f"a writer process exited with code {proc.exitcode}")
+        if len(receipts) != count:
+            raise RuntimeError(f"{count - len(receipts)} partition(s) were not written")
+        return receipts
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _clear_target(store: Store, overwrite: bool) -> None:
+    """Refuse (or, with overwrite, make invisible and delete) a dataset already there."""
+    if not store.exists(INDEX_KEY):
+        return
+    if not overwrite:
+        raise ObjectExistsError(
+            f"{store.uri}: a dataset exists here already (pass overwrite=True to replace it)"
+        )
+    try:
+        paths = list(load_index(store).arrays)
+    except FormatError:
+        paths = []
+    store.delete(INDEX_KEY)  # the old dataset becomes invisible first
+    for path in paths:
+        for info in list(store.list(path + "/")):
+            store.delete(info.key)
