@@ -12,6 +12,10 @@ class StoreError(CkptStoreError, OSError):
     """A storage backend failed (I/O error, unreachable endpoint, refused request)."""
 
 
+class ShortReadError(StoreError):
+    """An object holds fewer bytes than were asked for (a range past its end)."""
+
+
 class StoreAccessError(StoreError, PermissionError):
     """The store's location cannot be created or written: no permission, or a read-only file
     system. The message names the path and what failed; `errno` is the system's code."""

@@ -567,14 +567,15 @@ class CheckpointStore:
                 raise CkptStoreError(f"gc stopped, nothing deleted: {exc}") from exc
         return refs
 
-    def gc(self, grace_seconds: float = 3600.0, dry_run: bool = False, *,
+    def gc(self, grace_seconds: float = 3600.0, dry_run: bool = False, *, wait: float = 0.0,
            now: float | None = None) -> checks.GcReport:
         """Delete blobs no manifest references that are older than `grace_seconds` (and than
-        checks.MIN_BLOB_AGE), ages read on the store's clock (`now` overrides it: tests).
-        Raises LeaseBusyError (nothing deleted) while a save holds a lease on this store."""
+        checks.MIN_BLOB_AGE), ages read on the store's clock (`now` overrides it: tests), and
+        the lease objects left by dead processes. Raises LeaseBusyError (nothing deleted) if
+        saves hold leases on this store for longer than `wait` seconds."""
         if dry_run:
             return checks.gc(self.store, self.referenced_blobs, grace_seconds, True, now)
-        with leases.gc_lease(self.store):
+        with leases.gc_lease(self.store, wait=wait):
             return checks.gc(self.store, self.referenced_blobs, grace_seconds, False, now)
 
     # ------------------------------------------------------------------ lifecycle

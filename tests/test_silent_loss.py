@@ -290,3 +290,32 @@ def test_dotted_keys_that_do_not_collide_still_save(tmp_path: Path) -> None:
     state = {"layer.0.weight": torch.ones(2), "layer": {"1": torch.zeros(2)}, 3: {"a": 1}}
     repo.save("c", state)
     assert torch.equal(repo.load("c")["layer.0.weight"], torch.ones(2))
+
+
+# ------------------------------------------------------------------ found by the campaigns
+@pytest.mark.parametrize("store_kind", ["local", "memory"])
+def test_a_truncated_blob_is_an_integrity_error(tmp_path: Path, store_kind: str) -> None:
+    """A blob shorter than its manifest says (truncated, or swapped for a shorter one) is
+    damage, reported as IntegrityError like every other kind, not as a store failure."""
+    from ckptstore import IntegrityError
+
+    uri = str(tmp_path / "repo") if store_kind == "local" else f"memory://trunc-{tmp_path.name}"
+    repo = CheckpointStore(uri)
+    repo.save("a", {"w": torch.arange(100_000, dtype=torch.float32)})
+    [blob] = repo.manifest("a").blob_digests()
+    data = repo.store.get(blob_key(blob))
+    repo.store.put(blob_key(blob), data[: len(data) // 2])
+    with pytest.raises(IntegrityError, match="shorter than the manifest declares"):
+        CheckpointStore(uri).load("a")
+
+
+def test_gc_removes_the_leases_of_dead_processes(tmp_path: Path) -> None:
+    repo = CheckpointStore(tmp_path / "repo")
+    code = ("import sys, os; from ckptstore import CheckpointStore; "
+            "from ckptstore.maintenance.leases import acquire_save; "
+            "acquire_save(CheckpointStore(sys.argv[1]).store); os._exit(0)")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "repo")], check=True)
+    assert len(list(repo.store.list("locks/"))) == 1  # left behind by a process that died
+    report = repo.gc()
+    assert report.removed_stale_leases == 1
+    assert [i.key for i in repo.store.list("locks/") if "sweep" not in i.key] == []

@@ -371,12 +371,9 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
         busy = [lease for lease in leases.list_leases(repo.store) if lease.kind == "save"]
         if args.dry_run:
             report = repo.gc(args.grace, dry_run=True)
-            stale = 0
         else:
             with out.progress("collecting garbage", unit="blobs"):
-                with leases.gc_lease(repo.store, wait=args.wait):
-                    report = maintenance.gc(repo.store, repo.referenced_blobs, args.grace)
-                    stale = leases.remove_stale(repo.store)
+                report = repo.gc(args.grace, wait=args.wait)
             busy = []
         doc = {"uri": repo.uri, "dry_run": report.dry_run, "grace_seconds": args.grace,
                "referenced_blobs": report.referenced_blobs,
@@ -384,7 +381,8 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
                "kept_young_blobs": report.kept_young_blobs,
                "min_age_seconds": report.min_age_seconds,
                "deleted_temp_files": report.deleted_temp_files,
-               "removed_stale_leases": stale, "saves_in_progress": len(busy),
+               "removed_stale_leases": report.removed_stale_leases,
+               "saves_in_progress": len(busy),
                "seconds": round(report.seconds, 3), "deleted": report.deleted}
 
         def render(console: Any) -> None:

@@ -150,6 +150,7 @@ class GcReport:
     seconds: float = 0.0
     deleted: list[str] = field(default_factory=list)
     min_age_seconds: float = 0.0  # the age a blob needed: max(grace period, MIN_BLOB_AGE)
+    removed_stale_leases: int = 0  # lease objects of dead or silent processes
 
 
 def gc(store: Store, referenced: Callable[[], set[str]], grace_seconds: float = 3600.0,
@@ -199,5 +200,6 @@ def gc(store: Store, referenced: Callable[[], set[str]], grace_seconds: float = 
                 report.freed_bytes += info.size
     if not dry_run:
         store.sync()
+        report.removed_stale_leases = leases.remove_stale(store)
     report.seconds = time.perf_counter() - t0
     return report

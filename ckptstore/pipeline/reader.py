@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..concurrency import completed
-from ..errors import IntegrityError, ObjectNotFoundError
+from ..errors import IntegrityError, ObjectNotFoundError, ShortReadError
 from ..format.hashing import XXH3_128, HashAlgorithm
 from ..format.manifest import ChunkRef, TensorEntry
 from ..layout import blob_key
@@ -147,6 +147,9 @@ class CheckpointReader:
         except ObjectNotFoundError:
             raise IntegrityError(f"tensor {entry.key!r}: blob {blob} is missing from "
                                  f"{self.store.uri}") from None
+        except ShortReadError as exc:  # truncated, or replaced by a shorter object
+            raise IntegrityError(f"tensor {entry.key!r}: blob {blob} is shorter than the "
+                                 f"manifest declares ({exc})") from None
         with self._lock:
             self.bytes_read += len(out)
         return found

@@ -20,7 +20,7 @@ import abc
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..errors import StoreError
+from ..errors import ShortReadError, StoreError
 from ..format.hashing import digest
 from ..redact import redact_uri
 
@@ -119,7 +119,7 @@ def check_range(key: str, start: int, length: int) -> None:
         raise StoreError(f"invalid byte range start={start} length={length} for {key!r}")
 
 
-def short_read(key: str, start: int, wanted: int, got: int) -> StoreError:
-    return StoreError(
+def short_read(key: str, start: int, wanted: int, got: int) -> ShortReadError:
+    return ShortReadError(
         f"short read of {key!r}: wanted {wanted} bytes at offset {start}, got {got}"
     )

@@ -63,7 +63,13 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from ..errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
+from ..errors import (
+    InvalidNameError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ShortReadError,
+    StoreError,
+)
 from ..format.hashing import new_hasher
 from ..format.names import validate_key, validate_prefix
 from ..redact import redact_text, redact_uri
@@ -552,7 +558,7 @@ class S3Store(Store):
                     size = exc.response.get("Error", {}).get("ActualObjectSize")
                     err = short_read(key, start, length or 0, 0)
                     if size is not None:
-                        err = StoreError(f"{err} (object size {size})")
+                        err = ShortReadError(f"{err} (object size {size})")
                     raise err from None
                 if etag is not None and (code in _EXISTS_CODES or status == 412):
                     # replaced between our attempts: start over on the new version
