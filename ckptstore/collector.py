@@ -16,9 +16,9 @@ tools, both counted across threads and nestable:
   quiet block, what the step allocated is frozen at its end too, so later collections skip it.
 
 Reference counting frees acyclic garbage as always; only cycles made by the host during a
-quiet block that were frozen with it wait until the block ends. A host that calls `gc.freeze()` itself
-*while* a save or load runs has those objects unfrozen when it ends (`gc.unfreeze` cannot
-tell them apart): freeze before saving, as fork-based servers do.
+quiet block that were frozen with it wait until the block ends. A host that calls
+`gc.freeze()` itself *while* a save or load runs has those objects unfrozen when it ends
+(`gc.unfreeze` cannot tell them apart): freeze before saving, as fork-based servers do.
 """
 
 from __future__ import annotations
