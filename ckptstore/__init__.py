@@ -30,6 +30,7 @@ from .errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     RepositoryNotFoundError,
+    SourceChangedError,
     StoreAccessError,
     StoreError,
     UnsupportedTypeError,
@@ -49,7 +50,8 @@ __all__ = [
     "CheckpointStore", "CkptStoreError", "Codec", "DurabilityError", "FormatError", "GcReport",
     "IntegrityError", "InvalidNameError", "KeyMismatchError", "LocalStore", "MemoryStore",
     "ObjectExistsError", "ObjectInfo", "ObjectNotFoundError", "RNGState",
-    "RepositoryNotFoundError", "Retention", "SaveHandle", "SaveInfo", "Shard", "Store",
+    "RepositoryNotFoundError", "Retention", "SaveHandle", "SaveInfo", "Shard",
+    "SourceChangedError", "Store",
     "StoreAccessError", "StoreError", "UnsupportedTypeError", "VerifyReport", "__version__",
     "open_store", "zarr_store",
 ]  # fmt: skip

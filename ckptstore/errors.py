@@ -12,6 +12,19 @@ class StoreError(CkptStoreError, OSError):
     """A storage backend failed (I/O error, unreachable endpoint, refused request)."""
 
 
+class SourceChangedError(CkptStoreError):
+    """A tensor of an overlapped async save was changed in place before the save had copied
+    all of it: the checkpoint would have mixed values from before and after the call, so
+    nothing was committed."""
+
+    def __init__(self, key: str, before: int, now: int) -> None:
+        super().__init__(
+            f"{key}: tensor changed in place (version {before} -> {now}) before the "
+            "overlapped async save had copied it; nothing was committed. Guard the optimizer "
+            "(handle.guard(opt)), wait() before changing it, or use staging='copy'")
+        self.key = key
+
+
 class ShortReadError(StoreError):
     """An object holds fewer bytes than were asked for (a range past its end)."""
 

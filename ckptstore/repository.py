@@ -5,7 +5,7 @@ Layout (docs/format.md): `ckptstore.json` marker, `blobs/ab/<digest>` immutable 
 durable, and never overwritten: a checkpoint is whole or invisible. `latest` is derived from
 the manifests, never stored.
 
-Why one module of ~590 lines: it is the facade; listing and commit order, the save (prepare,
+Why one module of ~710 lines: it is the facade; listing and commit order, the save (prepare,
 write, commit, retry on vanished reuse), the load and the maintenance entry points each take
 a screen, and they share the manifest cache and the save lock.
 """
@@ -44,11 +44,12 @@ from .format.hashing import HASH_NAME, HashAlgorithm, hash_algorithm
 from .format.manifest import MAX_MANIFEST_BYTES, Manifest
 from .format.manifest_parse import committed_manifest, parse_manifest
 from .format.names import validate_name
-from .format.tree import TreeEncoder
+from .format.tree import TreeEncoder, flatten_arrays
 from .layout import MANIFEST_PREFIX, MARKER_KEY, blob_key, manifest_key, name_of_manifest_key
 from .maintenance import checks, leases
 from .pipeline.commit import LOCAL, Committer, LocalCommitter, SaveRequest
 from .pipeline.loading import load_state
+from .pipeline.overlap import Guard, Overlap, StagingPool, check_staging
 from .pipeline.reader import CheckpointReader, LoadOptions
 from .pipeline.staging import StagingArena
 from .pipeline.writer import CheckpointWriter, KnownChunks, SaveInfo, SaveOptions
@@ -68,6 +69,10 @@ class _Default(enum.Enum):
 #: `compression=` of a save that keeps the repository's setting (None means "no compression").
 REPO_DEFAULT = _Default.REPOSITORY
 Compression = str | Codec | None | _Default
+
+#: Overlapped saves run up to this many threads: `workers` hash and write, the others have
+#: copied a block into a staging slot and wait for their turn to write it
+MAX_OVERLAP_WORKERS = 32
 
 #: A save's manifest is created at least this long after the newest checkpoint it saw.
 COMMIT_ORDER_STEP = 1e-3
@@ -108,17 +113,41 @@ class CheckpointInfo:
 class SaveHandle:
     """A save running in the background. `wait()` returns its SaveInfo or raises its error."""
 
-    def __init__(self, future: cf.Future[SaveInfo], name: str) -> None:
+    def __init__(self, future: cf.Future[SaveInfo], name: str,
+                 overlap: Overlap | None = None) -> None:
         self._future = future
         self.name = name
         self._observed = False
+        self._overlap = overlap
+        self._guards: builtins.list[Guard] = []
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> SaveInfo:
         self._observed = True
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        finally:
+            if self._future.done():
+                self.remove_guards()
+
+    def guard(self, optimizer: Any) -> None:
+        """Make `optimizer.step()` wait until this save has copied every tensor the step
+        changes (its parameters and their state tensors), so that the checkpoint holds their
+        values at the call. Only overlapped saves need it (`staging="overlap"`); for a save
+        staged at call time, or one already finished, it does nothing. The time steps waited
+        is `SaveInfo.guard_wait_seconds`. The step pre-hook is inert once the save ends and
+        removed by `wait()` or the next save (from the training thread)."""
+        if self._overlap is None or self._overlap.finished:
+            return
+        self._guards.append(Guard(self._overlap, optimizer))
+
+    def remove_guards(self) -> None:
+        """Remove the step pre-hooks of `guard` (call from the thread that runs `step()`)."""
+        guards, self._guards = self._guards, []
+        for g in guards:
+            g.remove()
 
     @property
     def observed(self) -> bool:
@@ -152,7 +181,12 @@ class CheckpointStore:
                  chunk_bytes: int | None = None,
                  compression: str | Codec | None = None, workers: int | None = None,
                  max_inflight_bytes: int | None = None, hash: str | None = None,
+                 staging: str = "copy", max_host_bytes: int | None = None,
                  **store_options: Any) -> None:
+        check_staging(staging, max_host_bytes)
+        #: defaults of `save_async` (see there)
+        self.staging = staging
+        self.max_host_bytes = max_host_bytes
         if not isinstance(uri, Store) and not create and not str(uri).startswith("memory://"):
             store_options.setdefault("create", False)  # a typo must not make a folder/bucket
         try:
@@ -183,6 +217,7 @@ class CheckpointStore:
         self._cache_lock = threading.Lock()
         self._save_lock = threading.Lock()
         self._arena = StagingArena()
+        self._pool: StagingPool | None = None  # staging="overlap": reused block slots
         self._bg = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-async")
         self._pending: SaveHandle | None = None
         self._not_before = 0.0  # set by each save's _prepare (see CheckpointWriter.not_before)
@@ -403,11 +438,12 @@ class CheckpointStore:
         return replace(self.save_options, compression=codec_option(compression))
 
     def _write(self, request: SaveRequest, committer: Committer, options: SaveOptions,
-               t0: float, blocked: float, lease: leases.Lease) -> SaveInfo:
+               t0: float, blocked: float, lease: leases.Lease,
+               overlap: Overlap | None = None) -> SaveInfo:
         """Write and commit `request` through `committer`; release the lease; then let the
         committer run what follows a commit. Returns the SaveInfo."""
         name, leaves = request.name, request.leaves
-        writer = self._writer(options, self._known, lease)
+        writer = self._writer(options, self._known, lease, overlap)
         try:
             manifest = committer.commit(writer, request)
         except ReusedBlobsMissingError as exc:
@@ -415,7 +451,7 @@ class CheckpointStore:
                 raise  # other ranks wrote their part with the same assumption: nothing committed
             # a gc deleted chunks this save meant to reuse: write every chunk again
             log.warning("%s; writing checkpoint %r again without reusing chunks", exc, name)
-            writer = self._writer(options, KnownChunks(), lease)
+            writer = self._writer(options, KnownChunks(), lease, overlap)
             manifest = committer.commit(writer, request)
         if manifest is not None:
             # cache what any reader will parse from the store: the writer's own objects only
@@ -444,8 +480,9 @@ class CheckpointStore:
         return info
 
     def _writer(self, options: SaveOptions, known: KnownChunks,
-                lease: leases.Lease | None) -> CheckpointWriter:
+                lease: leases.Lease | None, overlap: Overlap | None = None) -> CheckpointWriter:
         writer = CheckpointWriter(self.store, options, known)
+        writer.overlap = overlap
         writer.not_before = self._not_before
         if lease is not None:
             writer.before_commit = lambda _m, reused: self._confirm_reused(lease, reused)
@@ -470,7 +507,7 @@ class CheckpointStore:
             return
         seen = pending.observed
         try:
-            pending.wait()
+            pending.wait()  # also removes its guards' hooks (this is the training thread)
         except BaseException:
             if not seen:
                 raise
@@ -498,37 +535,110 @@ class CheckpointStore:
 
     def save_async(self, name: str, state: Any, metadata: dict[str, Any] | None = None, *,
                    parent: str | None = LATEST, compression: Compression = REPO_DEFAULT,
-                   committer: Committer = LOCAL) -> SaveHandle:
-        """Stage `state` (copy its arrays) and return; the write and commit run in the
-        background. The caller may change its tensors as soon as this returns: the checkpoint
-        holds their values at call time. One save is in flight at a time: this first waits for
-        the previous one, and raises its error if it failed and `wait()` never reported it."""
+                   committer: Committer = LOCAL, staging: str | None = None,
+                   max_host_bytes: int | None = None,
+                   copy_keys: Iterable[str] = ()) -> SaveHandle:
+        """Save `state` in the background; the checkpoint holds each tensor's value at the
+        moment of this call. One save is in flight at a time: this first waits for the
+        previous one, and raises its error if it failed and `wait()` never reported it.
+        Errors of the background write are raised by `handle.wait()`.
+
+        `staging` (default: the store's, itself "copy"):
+
+        * "copy": copy every array of `state` into a staging arena, then return. The caller
+          may change its tensors at once. Extra host memory: the whole state's size, kept
+          between saves (the arena is reused), plus the pipeline's `max_inflight_bytes`.
+        * "overlap": return before copying anything (the call only encodes the state tree,
+          records each tensor's in-place version counter and copies numpy arrays and the
+          leaves named in `copy_keys`). In the background each block is copied into a reused
+          staging pool of at most `max_host_bytes` (default `max_inflight_bytes`; at least
+          one chunk), hashed, written and released: extra host memory stays under
+          `max_host_bytes` (plus what was copied at call time) whatever the state's size.
+          The caller must not change a tensor before the save has copied it: call
+          `handle.guard(optimizer)` to make `optimizer.step()` wait for that; a tensor
+          changed in place too early fails the save with `SourceChangedError` naming it and
+          nothing is committed (what can and cannot be detected: docs/training.md).
+        """
         t0 = time.perf_counter()
+        staging = self.staging if staging is None else staging
+        max_host_bytes = self.max_host_bytes if max_host_bytes is None else max_host_bytes
+        check_staging(staging, max_host_bytes)
         with self._save_lock:
             self._wait_pending()
             lease = leases.acquire_save(self.store)  # released when the background write ends
+            overlap: Overlap | None = None
+            options = self._options(compression)
             try:
                 with quiet_collector():
                     request = self._prepare_or_abort(committer, name, state, metadata, parent)
                     with paused_collector():
-                        request = replace(request, leaves=self._arena.stage(request.leaves))
+                        if staging == "copy":
+                            request = replace(request,
+                                              leaves=self._arena.stage(request.leaves))
+                        else:
+                            budget = max_host_bytes or options.max_inflight_bytes
+                            # enough workers to fill the budget with copies at once: a guarded
+                            # step waits for copies, not for the writes behind them
+                            slots = budget // min(options.chunk_bytes, budget)
+                            writers = options.workers
+                            options = replace(options, max_inflight_bytes=budget,
+                                              workers=max(writers, min(MAX_OVERLAP_WORKERS,
+                                                                       slots + writers)))
+                            request, overlap = self._overlap_request(
+                                request, state, set(copy_keys), options, writers)
             except BaseException:
                 lease.release()
                 raise
             blocked = time.perf_counter() - t0
-            options = self._options(compression)
 
             def write() -> SaveInfo:
                 try:
                     with quiet_collector():
-                        return self._write(request, committer, options, t0, blocked, lease)
+                        info = self._write(request, committer, options, t0, blocked, lease,
+                                           overlap)
+                    if overlap is None:
+                        return info
+                    overlap.finish()
+                    eager = sum(leaf.nbytes for leaf, src in zip(request.leaves,
+                                                                   overlap.sources)
+                                if src is None and leaf.kind != "bytes")
+                    return replace(info, staging="overlap", guard_wait_seconds=overlap.waited,
+                                   copied_at_call_bytes=eager)
                 finally:
+                    if overlap is not None:
+                        overlap.finish()
                     lease.release()
 
             future = self._bg.submit(write)
-            handle = SaveHandle(future, name)
+            handle = SaveHandle(future, name, overlap)
             self._pending = handle
             return handle
+
+    def _overlap_request(self, request: SaveRequest, state: Any, copy_keys: set[str],
+                         options: SaveOptions, writers: int
+                         ) -> tuple[SaveRequest, Overlap]:
+        """The request of an overlapped save: numpy arrays and `copy_keys` copied now, every
+        other leaf left on the caller's memory and tracked by an Overlap."""
+        objects = flatten_arrays(state)
+        leaves: builtins.list[Any] = []
+        sources: builtins.list[Any] = []
+        for leaf in request.leaves:
+            obj = objects.get(leaf.key)
+            if getattr(obj, "is_cpu", True) is False:
+                obj = None  # encoding copied it to the CPU already: a call-time copy
+            elif leaf.kind == "numpy" or leaf.key in copy_keys or (
+                    leaf.kind == "torch" and getattr(obj, "_version", None) is None
+                    and type(obj).__name__ != "Shard"):
+                if leaf.kind != "bytes":  # bytes are immutable: nothing to copy
+                    leaf = leaf.with_array(leaf.array.copy())
+                obj = None
+            leaves.append(leaf)
+            sources.append(obj)
+        slot = min(options.chunk_bytes, options.max_inflight_bytes)
+        if self._pool is None or self._pool.slot_bytes != slot:
+            self._pool = StagingPool(slot)
+        overlap = Overlap(leaves, sources, self._pool, writers)
+        return replace(request, leaves=leaves), overlap
 
     def wait(self) -> None:
         """Wait for any save in flight; raise its error if it failed unobserved."""

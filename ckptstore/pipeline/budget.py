@@ -9,7 +9,8 @@ from contextlib import contextmanager
 
 class ByteBudget:
     """Counting semaphore in bytes. A request larger than the whole budget is admitted alone
-    (when nothing else is held), so an oversized chunk cannot deadlock the pipeline."""
+    (when nothing else is held), so an oversized chunk cannot deadlock the pipeline; a request
+    of 0 bytes never waits (a holder may hold more than the capacity, alone)."""
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -22,7 +23,7 @@ class ByteBudget:
     @contextmanager
     def hold(self, nbytes: int) -> Iterator[None]:
         with self._cond:
-            while self._held and self._held + nbytes > self.capacity:
+            while nbytes and self._held and self._held + nbytes > self.capacity:
                 self._cond.wait()
             self._held += nbytes
             self._peak = max(self._peak, self._held)

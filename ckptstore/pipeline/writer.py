@@ -9,7 +9,7 @@ Commit order (docs/format.md): every blob is written, then `store.sync()` makes 
 then the manifest is created create-only. Any failure before the commit leaves no checkpoint;
 the blobs already written are unreferenced and later reclaimed by gc.
 
-Why one module of ~460 lines: planning, the chunk and pack jobs and the commit share the
+Why one module of ~530 lines: planning, the chunk and pack jobs and the commit share the
 writer's claim set, stats and memory budget; split, each part would reach into the others.
 """
 
@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from ..format.manifest import ChunkRef, Manifest, StorageRef, TensorEntry, expec
 from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
+
+if TYPE_CHECKING:
+    from .overlap import Overlap
 
 MiB = 1 << 20
 
@@ -79,6 +82,9 @@ class SaveInfo:
     # write, commit
     stage_seconds: dict[str, float] = field(default_factory=dict)
     peak_extra_bytes: int = 0
+    staging: str = "copy"  # async saves: "copy" (staged at call) or "overlap" (in background)
+    guard_wait_seconds: float = 0.0  # overlap: time optimizer.step() waited (guards)
+    copied_at_call_bytes: int = 0  # overlap: bytes copied at call time (numpy, copy_keys)
 
     @property
     def throughput(self) -> float:
@@ -207,6 +213,9 @@ class CheckpointWriter:
         #: manifest and the blobs it references that this writer did not write (reused from
         #: earlier checkpoints); raising stops the commit.
         self.before_commit: Callable[[Manifest, set[str]], None] | None = None
+        #: Overlapped staging (pipeline/overlap.py): leaves are the caller's live arrays;
+        #: every block is copied into a budgeted slot, checked, then hashed and written.
+        self.overlap: Overlap | None = None
 
     # ---------------------------------------------------------------- one blob
     def _put_blob(self, blob: str, data: memoryview | bytes | bytearray) -> bool:
@@ -219,41 +228,86 @@ class CheckpointWriter:
             self.store.put(blob_key(blob), data)
         return True
 
-    def _chunk_job(self, leaf: ArrayLeaf, start: int, stop: int) -> ChunkRef:
-        codec = self.options.compression
+    def _chunk_job(self, leaf: ArrayLeaf, start: int, stop: int, index: int = -1) -> ChunkRef:
         block = leaf.array[start:stop] if leaf.array.ndim else leaf.array
-        need_copy = not block.flags.c_contiguous
-        with self.budget.hold(block.nbytes if need_copy else 0):
-            if need_copy:
-                with self.stats.timed("stage"):
-                    block = np.ascontiguousarray(block)
-            raw = _flat_bytes(block)
-            with self.stats.timed("hash"):
-                raw_digest = self.options.hash.digest(raw)
-            ref = self.known.find(raw_digest, len(raw), codec)
-            if ref is not None:
-                self.stats.count(reused=len(raw))
-                return ref
-            if codec is None:
-                ref = ChunkRef(raw_digest, 0, len(raw), len(raw), raw_digest)
-                wrote = self._put_blob(raw_digest, raw)
-                self.stats.count(written=len(raw) if wrote else 0, reused=0 if wrote else len(raw))
-            else:
-                with self.budget.hold(len(raw) // 2):  # typical compressed size, an estimate
-                    with self.stats.timed("compress"):
-                        stored = codec.encode(raw, leaf.dtype.itemsize)
-                    with self.stats.timed("hash"):
-                        stored_digest = self.options.hash.digest(stored)
-                    ref = ChunkRef(stored_digest, 0, len(stored), len(raw), raw_digest)
-                    wrote = self._put_blob(stored_digest, stored)
-                    self.stats.count(written=len(stored) if wrote else 0,
-                                     reused=0 if wrote else len(raw))
+        overlap = self.overlap
+        if overlap is None or index < 0:
+            need_copy = not block.flags.c_contiguous
+            with self.budget.hold(block.nbytes if need_copy else 0):
+                if need_copy:
+                    with self.stats.timed("stage"):
+                        block = np.ascontiguousarray(block)
+                return self._chunk_of(leaf, block, hold_compressed=True)
+        # overlapped staging: one hold covers the slot and the compressed output
+        codec = self.options.compression
+        slot_hold = max(block.nbytes, overlap.pool.slot_bytes)
+        extra = block.nbytes // 2 if codec is not None else 0
+        with self.budget.hold(slot_hold + extra), overlap.pool.buffer(block.nbytes) as slot:
+            with self.stats.timed("stage"):
+                overlap.check(index)
+                dst = np.ndarray(block.shape, block.dtype.newbyteorder("="), slot, 0)
+                np.copyto(dst, block)
+                overlap.check(index)
+            overlap.copied(index)
+            with overlap.writing:
+                return self._chunk_of(leaf, dst, hold_compressed=False)
+
+    def _chunk_of(self, leaf: ArrayLeaf, block: np.ndarray, hold_compressed: bool) -> ChunkRef:
+        """Hash, dedup, (compress and) write one C-contiguous block."""
+        codec = self.options.compression
+        raw = _flat_bytes(block)
+        with self.stats.timed("hash"):
+            raw_digest = self.options.hash.digest(raw)
+        ref = self.known.find(raw_digest, len(raw), codec)
+        if ref is not None:
+            self.stats.count(reused=len(raw))
+            return ref
+        if codec is None:
+            ref = ChunkRef(raw_digest, 0, len(raw), len(raw), raw_digest)
+            wrote = self._put_blob(raw_digest, raw)
+            self.stats.count(written=len(raw) if wrote else 0, reused=0 if wrote else len(raw))
+        else:
+            # typical compressed size, an estimate (already held by overlapped jobs)
+            with self.budget.hold(len(raw) // 2 if hold_compressed else 0):
+                with self.stats.timed("compress"):
+                    stored = codec.encode(raw, leaf.dtype.itemsize)
+                with self.stats.timed("hash"):
+                    stored_digest = self.options.hash.digest(stored)
+                ref = ChunkRef(stored_digest, 0, len(stored), len(raw), raw_digest)
+                wrote = self._put_blob(stored_digest, stored)
+                self.stats.count(written=len(stored) if wrote else 0,
+                                 reused=0 if wrote else len(raw))
         self.known.add(ref, codec)
         return ref
 
     def _pack_job(self, members: list[tuple[int, ArrayLeaf]]) -> dict[int, ChunkRef]:
         """Pack small arrays into one blob; members already known are referenced, not packed.
         Per member only a digest and a lookup: the stats are summed once per pack."""
+        overlap = self.overlap
+        if overlap is None:
+            return self._pack_of(members, hold=True)
+        # overlapped staging: copy (and check) every member into one slot first
+        sizes = [-(-leaf.nbytes // 64) * 64 for _i, leaf in members]
+        total = sum(leaf.nbytes for _i, leaf in members)
+        slot_hold = max(sum(sizes), overlap.pool.slot_bytes)
+        with self.budget.hold(slot_hold + total), overlap.pool.buffer(sum(sizes)) as slot:
+            staged = []
+            pos = 0
+            with self.stats.timed("stage"):
+                for (index, leaf), size in zip(members, sizes):
+                    src = leaf.array
+                    overlap.check(index)
+                    dst = np.ndarray(src.shape, src.dtype.newbyteorder("="), slot, pos)
+                    np.copyto(dst, src)
+                    overlap.check(index)
+                    overlap.copied(index)
+                    staged.append((index, leaf.with_array(dst)))
+                    pos += size
+            with overlap.writing:
+                return self._pack_of(staged, hold=False)
+
+    def _pack_of(self, members: list[tuple[int, ArrayLeaf]], hold: bool
+                 ) -> dict[int, ChunkRef]:
         refs: dict[int, ChunkRef] = {}
         todo: list[tuple[int, memoryview, str]] = []
         reused = 0
@@ -272,7 +326,7 @@ class CheckpointWriter:
         if not todo:
             return refs
         total = sum(len(raw) for _i, raw, _d in todo)
-        with self.budget.hold(total):
+        with self.budget.hold(total if hold else 0):
             pack = bytearray(total)
             offsets = []
             pos = 0
@@ -302,12 +356,17 @@ class CheckpointWriter:
         packed = [i for i, p in enumerate(plans) if p.packed and p.writes_any]
         with cf.ThreadPoolExecutor(opts.workers, thread_name_prefix="ckpt-save") as pool:
             futures: dict[cf.Future[Any], tuple[int, int]] = {}
-            for i, (leaf, plan) in enumerate(zip(leaves, plans)):
-                if plan.packed:
-                    continue
-                for c, start, stop in plan.local_chunks(leaf):
-                    futures[pool.submit(self._chunk_job, leaf, start, stop)] = (i, c)
-            for group in _pack_groups(packed, leaves, opts.chunk_bytes):
+            blocks = [(i, c, start, stop) for i, (leaf, plan) in enumerate(zip(leaves, plans))
+                      if not plan.packed for c, start, stop in plan.local_chunks(leaf)]
+            groups = list(_pack_groups(packed, leaves, opts.chunk_bytes))
+            if self.overlap is not None:  # blocks to copy per leaf, known before any job runs
+                counts: dict[int, int] = defaultdict(int)
+                for i in [b[0] for b in blocks] + [i for group in groups for i in group]:
+                    counts[i] += 1
+                self.overlap.expect(counts)
+            for i, c, start, stop in blocks:
+                futures[pool.submit(self._chunk_job, leaves[i], start, stop, i)] = (i, c)
+            for group in groups:
                 futures[pool.submit(self._pack_job, [(i, leaves[i]) for i in group])] = (-1, -1)
             for done in completed(futures):
                 i, c = futures[done]
@@ -315,6 +374,8 @@ class CheckpointWriter:
                     refs[(i, c)] = done.result()
                 else:
                     refs.update(((j, 0), ref) for j, ref in done.result().items())
+        if self.overlap is not None:
+            self.overlap.confirm()
         return refs
 
     def creation_time(self) -> float:
@@ -327,6 +388,8 @@ class CheckpointWriter:
         body = manifest.to_bytes()
         with self.stats.timed("commit"):
             self.store.sync()  # every blob durable before the manifest exists
+            if self.overlap is not None:
+                self.overlap.confirm()  # again, later: see Overlap.confirm
             if self.before_commit is not None:
                 with self._claim_lock:
                     reused = manifest.blob_digests() - self._claimed

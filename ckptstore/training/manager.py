@@ -12,6 +12,14 @@ not from the abandoned step 100 (see Retention for what is kept). Under
 torch.distributed (initialized, world size > 1) `save` and `restore` are collective: every
 rank calls them with its own state (see ckptstore.training.distributed).
 
+With `async_save=True, staging="overlap"` a save returns before copying the state and copies
+it in the background within `max_host_bytes` (CheckpointStore.save_async). The manager then
+guards every optimizer of the state (its `step()` waits until the save has copied the
+parameters and state tensors it changes) and copies at call time what no guard covers: module
+buffers, numpy arrays, tensors under `COPY_AT_CALL_BYTES`, and the tensors of other Stateful
+objects and plain entries. Module parameters no guarded optimizer steps (frozen layers) are
+left to the version check (docs/training.md, "Overlapped async saves").
+
 Retention runs inside the save, after its commit: checkpoints the policy drops are deleted and
 exactly the blobs no remaining checkpoint references are removed (a targeted sweep, not an
 age-based gc; the next save cannot start before it ends).
@@ -31,6 +39,7 @@ from ..format.tree import flatten_arrays
 from ..layout import blob_key
 from ..maintenance import leases
 from ..pipeline.commit import Committer, LocalCommitter
+from ..pipeline.overlap import check_staging
 from ..pipeline.writer import SaveInfo
 from ..repository import CheckpointStore, SaveHandle
 from . import distributed as cdist
@@ -38,6 +47,8 @@ from .retention import Retention
 from .rng import RNGState
 
 STEP_NAME = re.compile(r"step-(\d+)")
+#: overlapped saves: tensors smaller than this are copied at call time (cheaper than tracking)
+COPY_AT_CALL_BYTES = 1 << 20
 
 
 def _is_stateful(value: Any) -> bool:
@@ -50,9 +61,15 @@ class CheckpointManager:
 
     def __init__(self, uri_or_repo: str | CheckpointStore, *, keep_last: int | None = None,
                  keep_every: int | None = None, async_save: bool = False,
+                 staging: str = "copy", max_host_bytes: int | None = None,
                  **repo_options: Any) -> None:
+        check_staging(staging, max_host_bytes)
         self.repo = (uri_or_repo if isinstance(uri_or_repo, CheckpointStore)
                      else CheckpointStore(uri_or_repo, **repo_options))
+        #: async saves only: "copy" stages the whole state at call time (extra host memory =
+        #: the state's size); "overlap" copies it in the background within max_host_bytes
+        self.staging = staging
+        self.max_host_bytes = max_host_bytes
         self.retention = Retention(keep_last, keep_every)
         self.async_save = async_save
         self.distributed = cdist.is_distributed()
@@ -100,8 +117,19 @@ class CheckpointManager:
         name = self.name_of(step)
         try:
             plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+            if self.async_save and self.staging == "overlap":
+                handle = self.repo.save_async(name, plain, meta, committer=committer,
+                                              staging="overlap",
+                                              max_host_bytes=self.max_host_bytes,
+                                              copy_keys=_unguarded_keys(state, plain))
+                for v in state.values():
+                    if isinstance(v, torch.optim.Optimizer):
+                        handle.guard(v)
+                self._last = handle
+                return handle
             if self.async_save:
-                self._last = self.repo.save_async(name, plain, meta, committer=committer)
+                self._last = self.repo.save_async(name, plain, meta, committer=committer,
+                                                  staging="copy")
                 return self._last
             return self.repo.save(name, plain, meta, committer=committer)
         except Exception as exc:
@@ -215,6 +243,23 @@ class _RetainingCommitter(LocalCommitter):
 
     def committed(self, info: SaveInfo) -> None:
         self._retain(info)
+
+
+def _unguarded_keys(state: Mapping[str, Any], plain: Mapping[str, Any]) -> set[str]:
+    """Dotted keys of the tensors an overlapped save copies at call time: what no optimizer
+    guard covers (module buffers, other Stateful objects, plain entries) and every tensor
+    under COPY_AT_CALL_BYTES. Module parameters and optimizer states are not among them."""
+    keys: set[str] = set()
+    for k, v in state.items():
+        arrays = flatten_arrays(plain[k], (k,))
+        if isinstance(v, torch.nn.Module):
+            buffers = {f"{k}.{name}" for name, _b in v.named_buffers()}
+            keys |= buffers & set(arrays)
+        elif not isinstance(v, torch.optim.Optimizer):
+            keys |= set(arrays)
+        keys |= {key for key, a in arrays.items()
+                 if getattr(a, "nbytes", 0) < COPY_AT_CALL_BYTES}
+    return keys
 
 
 def _holds_shards(state: Any) -> bool:

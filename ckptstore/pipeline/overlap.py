@@ -1,0 +1,208 @@
+"""Overlapped staging for asynchronous saves (`save_async(..., staging="overlap")`).
+
+The save returns before copying anything. The writer's chunk and pack jobs read the caller's
+live arrays, copy each block into a slot of a reused staging pool (at most `max_host_bytes`
+in use at once, the writer's ByteBudget), hash the copy, write it and give the slot back.
+
+`Overlap` tracks one such save:
+
+* the torch in-place version counter (`Tensor._version`) of every tensor leaf at call time.
+  Before and after each block copy the counter is compared; if it moved, the save fails with
+  `SourceChangedError` naming the key and commits nothing. A tensor a guard covers is final
+  once its last block is copied (its optimizer waits for that: later changes are fine). Any
+  other tensor is checked again after all blocks are written and before the commit, and a
+  change by then fails the save too: torch bumps the counter after an op's kernel has
+  written, so an op running during the copy may show only later (measured: 19 of 300
+  unguarded saves of tensors changed right after the call held new values when only the
+  copy itself was bracketed).
+* one event per leaf, set once all its blocks are copied (or the save ended): what
+  `SaveHandle.guard(optimizer)` waits on before letting `optimizer.step()` run.
+
+What the counter cannot see (docs/training.md, "Overlapped async saves"): in-place torch ops,
+`t[i] = x` and ops under `torch.no_grad()` bump it, but writes through `t.data`, through numpy
+views of a tensor (`t.numpy()[...] = x`), DLPack/ctypes pointers or other processes sharing
+the memory do not; numpy arrays have no counter at all (the repository copies them at call
+time). For a guarded tensor, an in-place op by anything other than its optimizer that runs
+while its last block is copied and bumps the counter after the check is not detected; for an
+unguarded one, such an op still unbumped at the commit. Detection is a safety net; a guard
+(or `staging="copy"`) is the guarantee.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from ..errors import SourceChangedError
+from ..format.leaf import ArrayLeaf
+
+STAGING_MODES = ("copy", "overlap")
+
+
+def check_staging(staging: str, max_host_bytes: int | None) -> None:
+    if staging not in STAGING_MODES:
+        raise ValueError(f"staging must be one of {STAGING_MODES}, got {staging!r}")
+    if max_host_bytes is not None and (type(max_host_bytes) is not int or max_host_bytes < 1):
+        raise ValueError(f"max_host_bytes must be a positive int, got {max_host_bytes!r}")
+
+
+def _version_source(obj: Any) -> Any:
+    """The torch tensor whose `_version` tracks in-place changes of `obj`, or None."""
+    data = getattr(obj, "data", None) if type(obj).__name__ == "Shard" else obj
+    version = getattr(data, "_version", None)
+    return data if isinstance(version, int) else None
+
+
+class StagingPool:
+    """Reusable slots of `slot_bytes` for block copies; slots are allocated lazily and kept.
+    How many are in use at once is bounded by the writer's ByteBudget (each holder holds at
+    least a slot's bytes), so at most budget // slot_bytes slots ever exist."""
+
+    def __init__(self, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    @contextmanager
+    def buffer(self, nbytes: int) -> Iterator[np.ndarray]:
+        """A flat uint8 buffer of at least `nbytes` (a pooled slot when it fits)."""
+        if nbytes > self.slot_bytes:
+            yield np.empty(nbytes, np.uint8)  # a block larger than a slot (one huge row)
+            return
+        with self._lock:
+            slot = self._free.pop() if self._free else None
+            if slot is None:
+                self.allocated += 1
+        if slot is None:
+            slot = np.empty(self.slot_bytes, np.uint8)
+        try:
+            yield slot
+        finally:
+            with self._lock:
+                self._free.append(slot)
+
+
+class Overlap:
+    """The state of one overlapped save (module docstring). Thread-safe."""
+
+    def __init__(self, leaves: list[ArrayLeaf], objects: list[Any], pool: StagingPool,
+                 writers: int = 8) -> None:
+        self.leaves = leaves
+        self.pool = pool
+        #: jobs hashing/compressing/writing at once: the writer may run more threads than
+        #: this, so that copies into free slots never wait for writes (a guarded step waits
+        #: for copies only), while hashing and writing use no more CPU than `writers` threads
+        self.writing = threading.BoundedSemaphore(writers)
+        self.sources = [_version_source(o) for o in objects]
+        self.versions = [None if s is None else int(s._version) for s in self.sources]
+        self.events = [threading.Event() for _ in leaves]
+        self._remaining = [0] * len(leaves)
+        self._lock = threading.Lock()
+        self.finished = False
+        self.guarded: set[int] = set()  # leaves a guard covers: their step waits for the copy
+        self.waited = 0.0  # seconds optimizer.step() waited for this save (guards)
+
+    def expect(self, counts: dict[int, int]) -> None:
+        """The writer is about to copy counts[i] blocks of leaf i (no entry: none)."""
+        with self._lock:
+            for i in range(len(self.leaves)):
+                n = counts.get(i, 0)
+                self._remaining[i] = n
+                if n == 0:
+                    self.events[i].set()
+
+    def check(self, i: int) -> None:
+        """Raise SourceChangedError if leaf i changed in place since the call."""
+        source = self.sources[i]
+        if source is not None:
+            now = int(source._version)
+            before = self.versions[i]
+            if now != before:
+                assert before is not None
+                raise SourceChangedError(self.leaves[i].key, before, now)
+
+    def confirm(self) -> None:
+        """Before the commit: raise SourceChangedError if a leaf no guard covers changed since
+        the call. Its blocks were checked when copied, but torch bumps the counter after an
+        op's kernel: an op in flight during the copy shows only later; a change after the
+        copy cannot be told from one during it, so it fails the save too."""
+        for i, source in enumerate(self.sources):
+            if source is not None and i not in self.guarded:
+                self.check(i)
+
+    def copied(self, i: int) -> None:
+        """One block of leaf i was copied (and checked after the copy)."""
+        with self._lock:
+            self._remaining[i] -= 1
+            if self._remaining[i] <= 0:
+                self.events[i].set()
+
+    def finish(self) -> None:
+        """The save ended (committed or failed): release every waiter."""
+        self.finished = True
+        for e in self.events:
+            e.set()
+
+    def events_for(self, tensors: Iterable[Any]) -> list[threading.Event]:
+        """Events of the leaves that share storage with any of `tensors`."""
+        wanted = set()
+        for t in tensors:
+            try:
+                s = t.untyped_storage()
+                wanted.add((s.data_ptr(), s.nbytes()))
+            except (AttributeError, RuntimeError):
+                continue
+        out = []
+        for i, (leaf, e) in enumerate(zip(self.leaves, self.events)):
+            if leaf.storage_identity is not None and leaf.storage_identity in wanted:
+                with self._lock:
+                    self.guarded.add(i)
+                out.append(e)
+        return out
+
+    def add_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.waited += seconds
+
+
+def optimizer_tensors(optimizer: Any) -> list[Any]:
+    """Every tensor `optimizer.step()` may change: its parameters and their state tensors."""
+    out: list[Any] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out.append(p)
+            for v in optimizer.state.get(p, {}).values():
+                if hasattr(v, "untyped_storage"):
+                    out.append(v)
+    return out
+
+
+class Guard:
+    """A step pre-hook on one optimizer: `step()` waits until the save has copied every tensor
+    the optimizer changes. The hook does nothing once the save ended; it is removed by
+    `remove()` (called from the training thread: removing a hook while `step()` iterates over
+    the hooks would break that iteration)."""
+
+    def __init__(self, overlap: Overlap, optimizer: Any) -> None:
+        self.overlap = overlap
+        events = overlap.events_for(optimizer_tensors(optimizer))
+
+        def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            pending = [e for e in events if not e.is_set()]
+            if not pending:
+                return
+            t0 = time.perf_counter()
+            for e in pending:
+                e.wait()
+            overlap.add_wait(time.perf_counter() - t0)
+
+        self._handle = optimizer.register_step_pre_hook(hook)
+
+    def remove(self) -> None:
+        self._handle.remove()

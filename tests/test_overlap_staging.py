@@ -1,0 +1,251 @@
+"""save_async(staging="overlap"): background copies within a host-memory budget, optimizer
+guards, detection of tensors changed too early, crash safety (issue 13)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ckptstore import CheckpointManager, CheckpointStore, MemoryStore, SourceChangedError
+
+from .helpers import assert_same
+
+MiB = 1 << 20
+
+
+def _equal(loaded, expected, path=""):
+    """Same keys and bit-identical tensors (container types may differ)."""
+    assert set(loaded) == set(expected), path
+    for k, v in expected.items():
+        if isinstance(v, dict):
+            _equal(loaded[k], v, f"{path}.{k}")
+        else:
+            assert_same(loaded[k], v, f"{path}.{k}")
+
+
+def _clone(state):
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def test_overlap_round_trip_returns_before_copying(tmp_path):
+    repo = CheckpointStore(tmp_path / "r", chunk_bytes=256 * 1024)
+    w = torch.randn(1024, 512)  # 2 MiB: 8 chunks
+    state = {"w": w, "tied": w, "t": w.t(), "bf": torch.randn(300, 700).to(torch.bfloat16),
+             "small": torch.arange(10), "np": np.arange(12.0).reshape(3, 4), "b": b"xyz",
+             "step": 3}
+    expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    handle = repo.save_async("a", state, staging="overlap", max_host_bytes=MiB)
+    state["np"][0, 0] = -1.0  # numpy arrays are copied at call time: safe to change
+    info = handle.wait()
+    assert info.staging == "overlap" and info.copied_at_call_bytes == 12 * 8
+    assert info.peak_extra_bytes <= MiB
+    loaded = repo.load("a")
+    expected["np"] = np.arange(12.0).reshape(3, 4)
+    assert_same(loaded, expected)
+    assert loaded["w"].data_ptr() == loaded["tied"].data_ptr()  # tied weights still tied
+    repo.close()
+
+
+def test_store_and_manager_defaults():
+    repo = CheckpointStore(f"memory://{os.getpid()}-defaults", staging="overlap",
+                           max_host_bytes=8 * MiB)
+    info = repo.save_async("a", {"w": torch.randn(64, 64)}).wait()
+    assert info.staging == "overlap"
+    assert repo.save_async("b", {"w": torch.randn(64, 64)}, staging="copy").wait().staging \
+        == "copy"
+    with pytest.raises(ValueError):
+        repo.save_async("c", {}, staging="lazy")
+    with pytest.raises(ValueError):
+        CheckpointManager(repo, async_save=True, staging="overlap", max_host_bytes=0)
+    repo.close()
+
+
+def test_unguarded_change_right_after_the_call_fails_cleanly_or_keeps_old_values(tmp_path):
+    repo = CheckpointStore(tmp_path / "r", chunk_bytes=128 * 1024)
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(256, 512) for i in range(6)}  # 512 KiB each, 4 chunks
+    repo.save("base", state)
+    outcomes = []
+    for attempt in range(12):
+        old = _clone(state)
+        name = f"s{attempt}"
+        handle = repo.save_async(name, state, staging="overlap", max_host_bytes=MiB)
+        for t in state.values():  # the trainer moves on without a guard
+            t.add_(1.0)
+        try:
+            handle.wait()
+        except SourceChangedError as exc:
+            assert exc.key in state and "nothing was committed" in str(exc)
+            assert not repo.exists(name)
+            outcomes.append("failed")
+            continue
+        assert_same(repo.load(name), old)  # never a value from after the call
+        outcomes.append("old")
+    assert repo.latest() is not None and repo.verify("base").ok
+    assert "failed" in outcomes  # the detection fires in practice
+    repo.close()
+
+
+def test_change_after_wait_and_guard_hold_call_time_values(tmp_path):
+    repo = CheckpointStore(tmp_path / "r", chunk_bytes=64 * 1024)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 256))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(32, 256)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+    expected = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                "optim": {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}}
+    model(x).square().mean().backward()  # gradients of the next step, ready at once
+    handle = repo.save_async("a", {"model": model.state_dict(),
+                                   "optim": opt.state_dict()["state"][0]},
+                             staging="overlap", max_host_bytes=256 * 1024)
+    handle.guard(opt)
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    opt.step()  # waits for the copies of the parameters and moments, then changes them
+    info = handle.wait()
+    assert not opt._optimizer_step_pre_hooks  # removed once the save ended
+    assert info.guard_wait_seconds >= 0.0
+    loaded = repo.load("a")
+    _equal(loaded["model"], expected["model"])
+    _equal(loaded["optim"], expected["optim"])
+    assert not torch.equal(model[0].weight, expected["model"]["0.weight"])  # the step ran
+    handle.guard(opt)  # after the save: nothing to guard
+    assert not opt._optimizer_step_pre_hooks
+    repo.close()
+
+
+class _FailingStore(MemoryStore):
+    """A memory store whose blob writes fail after the first few (a full disk)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.puts = 0
+
+    def put(self, key, data):
+        if key.startswith("blobs/"):
+            self.puts += 1
+            if self.puts > 3:
+                raise OSError(28, "No space left on device")
+        return super().put(key, data)
+
+
+def test_background_write_error_surfaces_from_wait():
+    store = _FailingStore(f"fail-{os.getpid()}")
+    repo = CheckpointStore(store, chunk_bytes=64 * 1024)
+    handle = repo.save_async("a", {"w": torch.randn(512, 256)}, staging="overlap",
+                             max_host_bytes=256 * 1024)
+    with pytest.raises(OSError, match="No space left"):
+        handle.wait()
+    assert repo.list() == []
+    # an error nobody waited for is raised by the next save
+    repo.save_async("b", {"w": torch.randn(512, 256)}, staging="overlap")
+    with pytest.raises(OSError, match="No space left"):
+        repo.save_async("c", {"w": torch.randn(4)}, staging="overlap")
+    assert repo.list() == []
+    repo.close()
+
+
+def test_manager_guards_optimizer_over_many_steps(tmp_path):
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 768), torch.nn.BatchNorm1d(768),
+                                torch.nn.ReLU(), torch.nn.Linear(768, 512),
+                                torch.nn.Linear(512, 10))  # 1.6-1.5 MiB layers: guarded
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = CheckpointManager(tmp_path / "run", async_save=True, staging="overlap",
+                            max_host_bytes=512 * 1024, chunk_bytes=128 * 1024, workers=2)
+    state = {"model": model, "optim": opt, "extra": {"ema": torch.zeros(300, 1000)}}
+    snapshots = {}
+    gen = torch.Generator().manual_seed(3)
+    handles = []
+    for step in range(1, 25):
+        x = torch.randn(64, 128, generator=gen)
+        loss = model(x).logsumexp(1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["extra"]["ema"].mul_(0.5).add_(step)  # plain entry: copied at call time
+        if step % 3 == 0:
+            snapshots[step] = _snapshot(model, opt, state["extra"])
+            handles.append(mgr.save(step, state))
+    mgr.wait()
+    waited = [h.wait().guard_wait_seconds for h in handles]
+    assert all(w >= 0 for w in waited)
+    assert not opt._optimizer_step_pre_hooks
+    for step, snap in snapshots.items():
+        loaded = mgr.repo.load(mgr.name_of(step))
+        _equal(loaded["model"], snap["model"])
+        _equal(loaded["optim"]["state"], snap["optim"])
+        _equal(loaded["extra"], snap["extra"])
+    mgr.close()
+
+
+def _snapshot(model, opt, extra):
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optim": {i: {k: v.clone() for k, v in s.items()}
+                      for i, s in opt.state_dict()["state"].items()},
+            "extra": {k: v.clone() for k, v in extra.items()}}
+
+
+_RSS_CHILD = textwrap.dedent("""
+    import json, resource, sys, torch
+    from ckptstore import CheckpointStore
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.rand(4096, 4096) for i in range(8)}   # 8 x 64 MiB = 512 MiB
+    repo = CheckpointStore(sys.argv[1], chunk_bytes=8 << 20, workers=4)
+    repo.save_async("warm", {"x": torch.ones(4)}, staging="overlap").wait()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    info = repo.save_async("big", state, staging="overlap", max_host_bytes=64 << 20).wait()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"growth": (after - before) * 1024, "peak": info.peak_extra_bytes,
+                      "bytes": info.logical_bytes}))
+""")
+
+
+def test_peak_rss_stays_within_the_budget(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout)
+    assert result["bytes"] == 512 * MiB
+    assert result["peak"] <= 64 * MiB
+    assert result["growth"] <= 64 * MiB + 96 * MiB, result
+
+
+_KILL_CHILD = textwrap.dedent("""
+    import sys, torch
+    from ckptstore import CheckpointStore
+    repo = CheckpointStore(sys.argv[1], chunk_bytes=1 << 20, workers=2)
+    state = {f"w{i}": torch.rand(1024, 1024) for i in range(48)}   # 192 MiB
+    repo.save("base", {"w": torch.ones(8)})
+    handle = repo.save_async("big", state, staging="overlap", max_host_bytes=4 << 20)
+    print("started", flush=True)
+    handle.wait()
+    print("done", flush=True)
+""")
+
+
+def test_sigkill_during_overlapped_save_leaves_no_checkpoint(tmp_path):
+    path = tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, str(path)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "started"
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    repo = CheckpointStore(path)
+    assert [c.name for c in repo.list()] == ["base"]
+    assert not repo.exists("big") and repo.verify("base").ok
+    repo.close()
