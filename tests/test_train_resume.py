@@ -50,7 +50,9 @@ def run_until(run: Path, data: Path, kill_after: str | None) -> list[str]:
         assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
         assert lines[-1] == "done"
     else:
-        assert proc.returncode == -signal.SIGKILL
+        assert proc.returncode == -signal.SIGKILL, (
+            f"exited {proc.returncode} before the kill: "
+            f"{proc.stderr.read()[-3000:] if proc.stderr else ''}")
     return lines
 
 
