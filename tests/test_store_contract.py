@@ -13,7 +13,7 @@ import pytest
 
 from ckptstore.stores import LocalStore, MemoryStore, open_store
 from ckptstore.stores.s3 import S3Store
-from ckptstore.stores.testing import StoreTests
+from ckptstore.stores.testing import S3StoreTests, StoreTests
 
 
 class TestMemoryStore(StoreTests):
@@ -42,7 +42,7 @@ class TestLocalStore(StoreTests):
         path.write_bytes(data)
 
 
-class TestS3StoreOnMoto(StoreTests):
+class TestS3StoreOnMoto(S3StoreTests):
     @pytest.fixture
     def store(self, moto_endpoint: str) -> Iterator[S3Store]:
         bucket = f"contract-{uuid.uuid4().hex[:12]}"
@@ -51,10 +51,3 @@ class TestS3StoreOnMoto(StoreTests):
         assert isinstance(s, S3Store)
         yield s
         s.close()
-
-    def raw_get(self, store: S3Store, key: str) -> bytes:
-        reply = store.client.get_object(Bucket=store.bucket, Key=store._key(key))
-        return bytes(reply["Body"].read())
-
-    def raw_put(self, store: S3Store, key: str, data: bytes) -> None:
-        store.client.put_object(Bucket=store.bucket, Key=store._key(key), Body=data)

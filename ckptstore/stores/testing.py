@@ -204,3 +204,24 @@ class StoreTests:
             t.join()
         assert not errors
         assert len(list(store.list("c/"))) == 16
+
+
+class S3StoreTests(StoreTests):
+    """StoreTests for an S3Store: the raw accessors go through the store's own boto3 client
+    to the same bucket and key prefix. Subclasses provide only the `store` fixture."""
+
+    def raw_get(self, store: Store, key: str) -> bytes:
+        s3 = _s3(store)
+        reply = s3.client.get_object(Bucket=s3.bucket, Key=s3._key(key))
+        return bytes(reply["Body"].read())
+
+    def raw_put(self, store: Store, key: str, data: bytes) -> None:
+        s3 = _s3(store)
+        s3.client.put_object(Bucket=s3.bucket, Key=s3._key(key), Body=data)
+
+
+def _s3(store: Store) -> Any:
+    from .s3 import S3Store  # boto3 is imported only where S3 is used
+
+    assert isinstance(store, S3Store)
+    return store

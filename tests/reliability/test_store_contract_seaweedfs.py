@@ -11,10 +11,10 @@ import pytest
 
 from ckptstore.stores import open_store
 from ckptstore.stores.s3 import S3Store
-from ckptstore.stores.testing import StoreTests
+from ckptstore.stores.testing import S3StoreTests
 
 
-class TestS3StoreOnSeaweedFS(StoreTests):
+class TestS3StoreOnSeaweedFS(S3StoreTests):
     @pytest.fixture
     def store(self, seaweed_env: str) -> Iterator[S3Store]:
         bucket = f"contract-{uuid.uuid4().hex[:12]}"
@@ -24,10 +24,3 @@ class TestS3StoreOnSeaweedFS(StoreTests):
         assert isinstance(s, S3Store)
         yield s
         s.close()
-
-    def raw_get(self, store: S3Store, key: str) -> bytes:
-        reply = store.client.get_object(Bucket=store.bucket, Key=store._key(key))
-        return bytes(reply["Body"].read())
-
-    def raw_put(self, store: S3Store, key: str, data: bytes) -> None:
-        store.client.put_object(Bucket=store.bucket, Key=store._key(key), Body=data)
