@@ -141,8 +141,8 @@ class TensorEntry:
 def extent_ok(shape: tuple[int, ...], itemsize: int, storage_nbytes: int = 0) -> bool:
     """The size rule for tensors: every dimension counted as at least 1, the tensor (and its
     storage) stays within MAX_TENSOR_BYTES."""
-    return (math.prod(max(1, n) for n in shape) * itemsize <= MAX_TENSOR_BYTES
-            and storage_nbytes <= MAX_TENSOR_BYTES)
+    elements = math.prod(shape) or math.prod(max(1, n) for n in shape)  # empty: rare
+    return elements * itemsize <= MAX_TENSOR_BYTES and storage_nbytes <= MAX_TENSOR_BYTES
 
 
 def expected_chunk_count(shape: tuple[int, ...], chunk_rows: int, itemsize: int) -> int:
@@ -252,9 +252,10 @@ def entry_problem(e: TensorEntry) -> str | None:
                               or type(codec.level) is not int
                               or not -100 <= codec.level <= 100):
         return f"invalid codec {codec!r:.60}"
-    for flag in ("requires_grad", "parameter"):
-        if type(getattr(e, flag)) is not bool:
-            return f"{flag}: expected true/false, got {getattr(e, flag)!r:.80}"
+    if type(e.requires_grad) is not bool:
+        return f"requires_grad: expected true/false, got {e.requires_grad!r:.80}"
+    if type(e.parameter) is not bool:
+        return f"parameter: expected true/false, got {e.parameter!r:.80}"
     if e.kind != "torch" and (e.requires_grad or e.parameter or e.storage is not None):
         return "torch-only fields on a non-torch tensor"
     if e.kind == "bytes" and (dtype.name != "uint8" or len(shape) != 1):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -169,22 +169,40 @@ class TreeEncoder:
 
 def check_unique_keys(state: Any) -> None:
     """Raise UnsupportedTypeError if two values (or containers) in `state` have the same
-    dotted key."""
-    seen: dict[str, Path] = {}
-    stack: list[tuple[Any, Path]] = [(state, ())]
+    dotted key. One pass building each key from its parent's; paths only on a collision."""
+    seen: set[str] = set()
+    stack: list[tuple[Any, str | None]] = [(state, None)]
     while stack:
-        obj, path = stack.pop()
-        if path:
-            key = key_string(path)
-            other = seen.setdefault(key, path)
-            if other != path:
-                raise UnsupportedTypeError(
-                    f"{key!r} names two values, at {list(other)} and {list(path)}: loads by "
-                    "dotted key could not tell them apart; rename one of them")
+        obj, key = stack.pop()
+        if key is not None:
+            if key in seen:
+                _raise_collision(state, key)
+            seen.add(key)
         if isinstance(obj, dict):
-            stack.extend((v, (*path, k)) for k, v in obj.items())
+            items: Any = obj.items()
         elif type(obj) in (list, tuple):
-            stack.extend((v, (*path, i)) for i, v in enumerate(obj))
+            items = enumerate(obj)
+        else:
+            continue
+        stack.extend((v, str(k) if key is None else f"{key}.{k}") for k, v in items)
+
+
+def _raise_collision(state: Any, key: str) -> None:
+    paths = [p for p in _all_paths(state) if key_string(p) == key]
+    raise UnsupportedTypeError(
+        f"{key!r} names two values, at {list(paths[0])} and {list(paths[1])}: loads by "
+        "dotted key could not tell them apart; rename one of them")
+
+
+def _all_paths(obj: Any, path: Path = ()) -> Iterator[Path]:
+    if path:
+        yield path
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _all_paths(v, (*path, k))
+    elif type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            yield from _all_paths(v, (*path, i))
 
 
 def numpy_leaf(arr: np.ndarray, key: str) -> ArrayLeaf:
