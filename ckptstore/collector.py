@@ -12,8 +12,10 @@ tools, both counted across threads and nestable:
   (`gc.get_freeze_count() > 0`), nothing is frozen: unfreezing would undo the host's freeze.
 * `paused_collector()` spans one short CPU-bound step without I/O (encoding the state tree,
   serializing or parsing a manifest, allocating the tensors of a load: fractions of a second,
-  bounded by the number of tensors). The collector is disabled during the step; inside a
-  quiet block, what the step allocated is frozen at its end too, so later collections skip it.
+  bounded by the number of tensors), and a synchronous save, whose caller waits for the whole
+  call anyway (never a background write). The collector is disabled during the step; inside
+  a quiet block, what the step allocated is frozen at its end too, so later collections skip
+  it.
 
 Reference counting frees acyclic garbage as always; only cycles made by the host during a
 quiet block that were frozen with it wait until the block ends. A host that calls

@@ -528,7 +528,9 @@ class CheckpointStore:
         with self._save_lock:
             self._wait_pending()
             # the lease spans reading the parent (whose chunks are reused) to the commit
-            with leases.save_lease(self.store) as lease, quiet_collector():
+            # the caller waits for this whole call: the collector is paused for it, as for
+            # any CPU-bound step (a background write only freezes: see collector.py)
+            with leases.save_lease(self.store) as lease, quiet_collector(), paused_collector():
                 request = self._prepare_or_abort(committer, name, state, metadata, parent)
                 return self._write(request, committer, self._options(compression), t0, -1.0,
                                    lease)

@@ -77,9 +77,10 @@ def test_save_load_and_async_save_leave_the_collector_as_found(tmp_path, gc_enab
     assert seen == [True, False]
 
 
-def test_the_collector_runs_during_the_io_of_a_save_and_a_load(tmp_path, gc_enabled):
-    """Never disabled across I/O: every blob write and read sees it enabled, and every object
-    frozen meanwhile is given back at the end."""
+def test_the_collector_runs_during_background_writes_and_loads(tmp_path, gc_enabled):
+    """Never disabled for a background write or a load: every blob write of an async save
+    and every read sees it enabled (a synchronous save pauses it: its caller waits for the
+    whole call), and every object frozen meanwhile is given back at the end."""
     repo = CheckpointStore(tmp_path / "r")
     seen: list[bool] = []
     put, read = repo.store.put, repo.store.read_into_digest
@@ -97,10 +98,12 @@ def test_the_collector_runs_during_the_io_of_a_save_and_a_load(tmp_path, gc_enab
     repo.store.read_into_digest = watched_read
     state = {f"t{i}": torch.full((300_000,), float(i)) for i in range(3)}
     repo.save("a", state)
+    assert seen and not any(seen)  # the synchronous save: paused for the caller's call
+    seen.clear()
     repo.save_async("b", {k: v + 1 for k, v in state.items()}, parent=None).wait()
     repo.load("b")
     assert seen and all(seen)
-    assert gc.get_freeze_count() == 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def _no_save_or_load_running() -> None:
@@ -119,12 +122,13 @@ def test_a_hosts_own_freeze_is_left_alone(gc_enabled):
     _no_save_or_load_running()
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
         with quiet_collector():
             with gc_paused():
                 junk = [[i] for i in range(1000)]
         del junk
-        assert gc.get_freeze_count() >= frozen  # the host's objects stay frozen
+        # the host's objects stay frozen (an unfreeze would empty the permanent generation;
+        # its count may shrink on its own as frozen objects die, so no exact count is kept)
+        assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
 
