@@ -95,6 +95,10 @@ class Zygote:
         while True:
             doc = self._next(60.0)
             if doc["event"] == "spawned":
+                # a PID is reused once its earlier holder was reaped, and the fork server
+                # reports that exit before this spawn: forget it, or the new worker would
+                # look dead at once (seen in a soak run after ~50 restarts)
+                self.exits.pop(doc["pid"], None)
                 return Worker(self, tag, doc["pid"], out, err)
 
     def wait_exit(self, pid: int, timeout: float) -> int:
