@@ -234,6 +234,17 @@ def campaign(server: ChaosServer, clean_endpoint: str, bucket: str, rates: tuple
 # -- moto -------------------------------------------------------------------------------------
 
 
+def _run_and_report(name: str, server: ChaosServer, endpoint: str, rates: Any, rounds: int,
+                    seed: int, report: Callable[..., Any]) -> None:
+    """One fault campaign on a fresh bucket behind `server`; one report line per fault rate
+    and a total."""
+    bucket = new_bucket(endpoint, "chaos")
+    t0 = time.monotonic()
+    for row in campaign(server, endpoint, bucket, rates, rounds, seed=seed):
+        report(name, **row)
+    report(f"{name}-total", seconds=round(time.monotonic() - t0, 1), rounds=rounds)
+
+
 @pytest.fixture(scope="module")
 def moto_chaos(rel_moto_endpoint: str) -> Iterator[ChaosServer]:
     server = ChaosServer(moto_app())
@@ -243,14 +254,8 @@ def moto_chaos(rel_moto_endpoint: str) -> Iterator[ChaosServer]:
 
 def test_s3_faults_moto(moto_chaos: ChaosServer, rel_moto_endpoint: str, profile: Profile,
                         campaign_report: Callable[..., Any]) -> None:
-    bucket = new_bucket(rel_moto_endpoint, "chaos")
-    t0 = time.monotonic()
-    rows = campaign(moto_chaos, rel_moto_endpoint, bucket, profile.s3_rates,
-                    profile.s3_rounds, seed=7)
-    for row in rows:
-        campaign_report("s3-faults-moto", **row)
-    campaign_report("s3-faults-moto-total", seconds=round(time.monotonic() - t0, 1),
-                    rounds=profile.s3_rounds)
+    _run_and_report("s3-faults-moto", moto_chaos, rel_moto_endpoint, profile.s3_rates,
+                    profile.s3_rounds, 7, campaign_report)
 
 
 # -- SeaweedFS --------------------------------------------------------------------------------
@@ -291,11 +296,5 @@ def test_seaweedfs_semantics(seaweed_env: str) -> None:
 
 def test_s3_faults_seaweedfs(seaweed_chaos: ChaosServer, seaweed_env: str, profile: Profile,
                              campaign_report: Callable[..., Any]) -> None:
-    bucket = new_bucket(seaweed_env, "chaos")
-    t0 = time.monotonic()
-    rows = campaign(seaweed_chaos, seaweed_env, bucket, profile.s3_rates,
-                    profile.seaweed_rounds, seed=11)
-    for row in rows:
-        campaign_report("s3-faults-seaweedfs", **row)
-    campaign_report("s3-faults-seaweedfs-total", seconds=round(time.monotonic() - t0, 1),
-                    rounds=profile.seaweed_rounds)
+    _run_and_report("s3-faults-seaweedfs", seaweed_chaos, seaweed_env, profile.s3_rates,
+                    profile.seaweed_rounds, 11, campaign_report)
