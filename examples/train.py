@@ -97,14 +97,15 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=2, drop_last=True, collate="torch")
     rng = ckptstore.RNGState()
     state = {"model": model, "optim": opt, "sched": sched, "data": loader, "rng": rng}
+    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
     if args.far:
         tiers = [args.run, *args.far]
-        options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
         mgr = ckptstore.CheckpointManager(
             tiers, keep_last=[3] + [args.keep_far] * len(args.far),
             every=[1] + [args.far_every] * len(args.far), async_save=not args.sync, **options)
     else:
-        mgr = ckptstore.CheckpointManager(args.run, keep_last=3, async_save=not args.sync)
+        mgr = ckptstore.CheckpointManager(args.run, keep_last=3, async_save=not args.sync,
+                                          **options)
 
     step = mgr.restore(state) or 0
     print(f"start {step}", flush=True)
