@@ -48,9 +48,11 @@ from ..pipeline.commit import Committer, LocalCommitter
 from ..pipeline.overlap import check_staging
 from ..pipeline.writer import SaveInfo
 from ..repository import CheckpointStore, SaveHandle
+from ..tiers import config as tier_config
 from ..tiers import pending
 from . import distributed as cdist
-from .retention import TieredRetention
+from .peers import PeerMap, PeerReplicas, ranks_per_node
+from .retention import Retention, TieredRetention
 from .rng import RNGState
 
 STEP_NAME = re.compile(r"step-(\d+)")
@@ -75,12 +77,23 @@ class CheckpointManager:
         check_staging(staging, max_host_bytes)
         if type(peer_replicas) is not int or peer_replicas < 0:
             raise ValueError(f"peer_replicas must be a non-negative int, got {peer_replicas!r}")
-        if peer_replicas:
-            raise NotImplementedError(
-                "peer_replicas is designed (docs/recovery.md, 'Peer replicas') but not built "
-                "yet; use a shared far tier for now")
-        self.repo = (uri_or_repo if isinstance(uri_or_repo, CheckpointStore)
-                     else CheckpointStore(uri_or_repo, **repo_options))
+        self.distributed = cdist.is_distributed()
+        if peer_replicas and not self.distributed:
+            raise ValueError("peer_replicas needs torch.distributed with more than one rank")
+        self.rank = torch.distributed.get_rank() if self.distributed else 0
+        if isinstance(uri_or_repo, CheckpointStore):
+            self.repo = uri_or_repo
+        else:
+            uris = tier_config.tier_uris(uri_or_repo)
+            if any(tier_config.has_placeholders(u) for u in uris):
+                if self.distributed and not peer_replicas:
+                    raise ValueError("per-rank or per-node tiers ({rank}/{node}) need "
+                                     "peer_replicas >= 1: a collective checkpoint must be "
+                                     "whole on every tier")
+                per_node = ranks_per_node()
+                uris = [tier_config.expand(u, rank=self.rank, node=self.rank // per_node,
+                                           local_rank=self.rank % per_node) for u in uris]
+            self.repo = CheckpointStore(uris if len(uris) > 1 else uris[0], **repo_options)
         #: async saves only: "copy" stages the whole state at call time (extra host memory =
         #: the state's size); "overlap" copies it in the background within max_host_bytes
         self.staging = staging
@@ -92,10 +105,14 @@ class CheckpointManager:
         self._since: list[int] | None = None  # saves since each tier last received one
         self._doomed: list[set[str]] = [set() for _ in self.repo.tiers]  # blobs to sweep
         self.async_save = async_save
-        self.distributed = cdist.is_distributed()
         self.group = cdist.checkpoint_group() if self.distributed else None
-        self.rank = torch.distributed.get_rank() if self.distributed else 0
         self._last: SaveHandle | None = None
+        #: peer mode: every rank saves its own checkpoint in its own tiers (training/peers.py)
+        self.peers: PeerReplicas | None = None
+        if peer_replicas:
+            self.peers = PeerReplicas(self.repo, self.group, PeerMap(
+                torch.distributed.get_world_size(), ranks_per_node(), peer_replicas))
+        self._peer_pending: tuple[str, SaveHandle | None] | None = None
 
     # ------------------------------------------------------------------ names
     @staticmethod
@@ -131,11 +148,14 @@ class CheckpointManager:
         meta = dict(metadata or {})
         meta.update(step=step, world_size=torch.distributed.get_world_size()
                     if self.distributed else 1)
-        collective = cdist.CollectiveCommitter(self.group, self._retain) if self.distributed \
-            else None
+        self._flush_peers()
+        collective = cdist.CollectiveCommitter(self.group, self._retain) if (
+            self.distributed and self.peers is None) else None
         committer: Committer = collective or _RetainingCommitter(self._retain)
         name = self.name_of(step)
         tiers = self._due_tiers()
+        if self.peers is not None:
+            return self._save_with_peers(name, state, meta, committer, tiers)
         try:
             plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
             if self.async_save and self.staging == "overlap":
@@ -158,6 +178,51 @@ class CheckpointManager:
                 # fail on every rank now instead of leaving them waiting in the collective
                 cdist.report_failure(self.group, f"rank {self.rank}: {type(exc).__name__}: {exc}")
             raise
+
+    def _save_with_peers(self, name: str, state: Mapping[str, Any], meta: dict[str, Any],
+                         committer: Committer, tiers: list[int]) -> SaveInfo | SaveHandle:
+        """Peer mode: this rank's own checkpoint in its own tiers; the copy to its peers is
+        sent now (sync) or at the next save / wait / restore / close (async), collectively."""
+        try:
+            plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+            if self.async_save:
+                handle = self.repo.save_async(name, plain, meta, committer=committer,
+                                              staging="copy", tiers=tiers)
+                self._last = handle
+                self._peer_pending = (name, handle)
+                return handle
+            info = self.repo.save(name, plain, meta, committer=committer, tiers=tiers)
+        except Exception:
+            self._peer_pending = (name, None)
+            self._flush_peers(ok=False)
+            raise
+        self._peer_pending = (name, None)
+        self._flush_peers()
+        return info
+
+    def _flush_peers(self, ok: bool = True) -> None:
+        """Peer mode: send the last saved checkpoint to the peers (collective; every rank
+        calls it at the same point), then drop the copies the tier-0 policy no longer keeps.
+        An async save's error is raised after the exchange (the others must not wait)."""
+        if self.peers is None or self._peer_pending is None:
+            return
+        name, handle = self._peer_pending
+        self._peer_pending = None
+        error: BaseException | None = None
+        if handle is not None:
+            try:
+                handle.wait()
+            except BaseException as exc:
+                error, ok = exc, False
+        self.peers.replicate(name, ok)
+        policy = self.tier_policy.policies[0]
+        for sender in self.peers.map.held_by(self.rank):
+            copy = self.peers.copies_of(sender)
+            steps = [int(m.group(1)) for n in copy.history() if (m := STEP_NAME.fullmatch(n))]
+            drop = set(Retention(policy.keep_last, policy.keep_every).to_delete(steps))
+            self.peers.prune_copies(sender, {self.name_of(s) for s in steps if s not in drop})
+        if error is not None:
+            raise error
 
     def _due_tiers(self) -> list[int]:
         """The tiers this save goes to (`every`); counts kept in memory, rebuilt from the
@@ -229,6 +294,9 @@ class CheckpointManager:
         before it is loaded instead (every tensor of `state` is then overwritten again).
         Tiered: waits for this manager's save in flight, not for replication (a restore after
         a crash must not wait for the far tier); chunks come from the nearest good copy."""
+        if self.peers is not None:
+            self._flush_peers()
+            return self._restore_with_peers(state, step)
         last, self._last = self._last, None
         self.repo.wait()
         if last is not None:
@@ -252,6 +320,31 @@ class CheckpointManager:
                               f"{older}", RuntimeWarning, stacklevel=2)
                 step = older
         return None
+
+    def _restore_with_peers(self, state: Mapping[str, Any], step: int | None) -> int | None:
+        """Peer mode: the newest step every rank can obtain (its tiers or a peer's copy);
+        ranks whose tier 0 lacks it get it from a peer, then every rank loads its own."""
+        assert self.peers is not None and self.group is not None
+        self.repo.wait()
+        mine = {"own": self.steps(), "held": {
+            s: [int(m.group(1)) for n in names if (m := STEP_NAME.fullmatch(n))]
+            for s, names in self.peers.held_steps().items()}}
+        views = cdist.all_gather_json(mine, self.group)
+        world = len(views)
+        available = [set(v["own"]) for v in views]
+        for v in views:
+            for sender, steps in v["held"].items():
+                available[int(sender)] |= set(steps)
+        common = set.intersection(*available) if world else set()
+        if step is None:
+            step = max(common) if common else None
+        elif step not in common:
+            raise KeyMismatchError(f"step {step} cannot be restored on every rank")
+        if step is None:
+            return None
+        self.peers.fetch(self.name_of(step))
+        self._load_into(state, step)
+        return step
 
     def _load_into(self, state: Mapping[str, Any], step: int) -> None:
         into: dict[str, Any] = {}
@@ -281,9 +374,10 @@ class CheckpointManager:
         last, self._last = self._last, None
         self.repo.wait()
         info = last.wait() if last is not None else None
+        self._flush_peers()
         if len(self.repo.tiers) > 1:
             self.repo.wait_replicated()
-            if self.rank == 0:
+            if self.rank == 0 or self.peers is not None:
                 self._retain(None)
         return info
 
@@ -291,6 +385,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self.peers is not None:
+                self.peers.close()
             self.repo.close()
             if self.group is not None:
                 torch.distributed.destroy_process_group(self.group)
