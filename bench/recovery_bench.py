@@ -16,7 +16,10 @@ alternating the contestants, ratios from this one run:
 * save stall, sync (the whole save) and async (until `save_async` returns): tier 0 only,
   tiered (tier 0 + throttled S3), S3 only; and the time until the checkpoint is durable on S3;
 * restore: after a process crash (tier 0 intact), after the loss of the node's tier 0 (from
-  the far tier), from S3 only; peer copies are not built (docs/recovery.md);
+  the far tier), from S3 only;
+* with `--peers` (2 ranks on gloo, `--gib` each, one folder per rank standing for a node,
+  peer_replicas=1): restore after a crash, after the loss of rank 1's folder (from its peer),
+  and after the loss of every folder (from the throttled far tier); the slowest rank counts;
 * end to end, `examples/train.py` (unless --skip-train): from restart to its first training
   step after a crash, after the loss of its tier-0 folder, and with an S3-only repository.
 
@@ -286,6 +289,60 @@ def measure_train(tmp: Path, s3: ThrottledS3, extra_rows: int) -> dict[str, Any]
     return {k: {"seconds": round(v[0], 3), "restored": v[1]} for k, v in out.items()}
 
 
+def _peer_worker(rank: int, world: int, init: str, root: str, far: str, endpoint: str,
+                 gib: float, phase: str, out: str) -> None:
+    import torch.distributed as dist
+
+    import ckptstore
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
+                            world_size=world)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    mgr = ckptstore.CheckpointManager([f"{root}/node{{rank}}", f"{far}/{{rank}}"],
+                                      peer_replicas=1, endpoint_url=endpoint)
+    state = make_state(gib)
+    for t in state.values():
+        t.add_(rank)
+    if phase == "save":
+        mgr.save(1, {"model": state})
+        mgr.wait()
+        result = 0.0
+    else:
+        into = {"model": {k: v.clone().zero_() for k, v in state.items()}}
+        dist.barrier()
+        t0 = time.perf_counter()
+        assert mgr.restore(into) == 1
+        result = time.perf_counter() - t0
+        assert all(into["model"][k].equal(v) for k, v in state.items())
+    mgr.close()
+    Path(out, f"{phase}-{rank}").write_text(str(result))
+    dist.destroy_process_group()
+
+
+def measure_peers(tmp: Path, s3: ThrottledS3, gib: float) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    far = s3.bucket()
+    tmp.mkdir(parents=True, exist_ok=True)
+    nodes = tmp / "nodes"
+
+    def phase(name: str) -> float:
+        out = tmp / f"out-{name}"
+        out.mkdir()
+        mp.start_processes(_peer_worker, args=(2, str(tmp / f"pg-{name}"), str(nodes), far,
+                                               s3.endpoint, gib, name, str(out)),
+                           nprocs=2, join=True, start_method="spawn")
+        return max(float((out / f"{name}-{r}").read_text()) for r in range(2))
+
+    phase("save")
+    out = {"crash: both folders intact": phase("crash")}
+    shutil.rmtree(nodes / "node1")
+    out["node 1 lost: from its peer"] = phase("peer")
+    shutil.rmtree(nodes)
+    out["every folder lost: from far tier"] = phase("far")
+    return {k: round(v, 3) for k, v in out.items()}
+
+
 def local_read_rate(state: dict[str, Any], tmp: Path) -> float:
     import ckptstore
 
@@ -311,6 +368,8 @@ def main() -> None:
     p.add_argument("--extra-rows", type=int, default=200_000,
                    help="examples/train.py state size knob (200000 rows: about 0.3 GiB)")
     p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--peers", action="store_true", help="also the 2-rank peer-replica restores")
+    p.add_argument("--peers-only", action="store_true", help="only the peer-replica restores")
     args = p.parse_args()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
@@ -324,9 +383,16 @@ def main() -> None:
     try:
         doc: dict[str, Any] = {
             "state_bytes": nbytes, "local_restore_bytes_per_s": round(local),
-            "far_throttle_bytes_per_s": round(rate), "reps": args.reps,
-            "saves": measure_saves(state, tmp / "saves", s3, args.reps),
-            "restores": measure_restores(state, tmp / "restores", s3, args.reps)}
+            "far_throttle_bytes_per_s": round(rate), "reps": args.reps}
+        if args.peers or args.peers_only:
+            del state  # each rank builds its own
+            doc["peer_restores_2_ranks"] = measure_peers(tmp / "peers", s3, args.gib)
+        if args.peers_only:
+            print(json.dumps(doc, indent=2))
+            return
+        state = make_state(args.gib)
+        doc["saves"] = measure_saves(state, tmp / "saves", s3, args.reps)
+        doc["restores"] = measure_restores(state, tmp / "restores", s3, args.reps)
         if not args.skip_train:
             doc["train_restart_to_first_step"] = measure_train(tmp / "train", s3,
                                                                args.extra_rows)

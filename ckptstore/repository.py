@@ -36,6 +36,7 @@ from .errors import (
     CheckpointNotFoundError,
     CkptStoreError,
     FormatError,
+    InvalidNameError,
     ObjectExistsError,
     ObjectNotFoundError,
     RepositoryNotFoundError,
@@ -205,6 +206,9 @@ class CheckpointStore:
                  **store_options: Any) -> None:
         check_staging(staging, max_host_bytes)
         tier_uris = tier_config.tier_uris(uri)
+        if any(tier_config.has_placeholders(u) for u in tier_uris):
+            raise InvalidNameError("tier URIs with {rank}/{node}/{local_rank} must be filled in "
+                                   "first (CheckpointManager does it; or tiers.config.expand)")
         uri = tier_uris[0]
         tier_options = dict(store_options)
         if len(tier_uris) > 1:

@@ -39,6 +39,9 @@ from ..repository import CheckpointStore
 from ..stores.base import Store
 from .distributed import all_gather_json
 
+#: blob bytes moved per round of point-to-point transfers (memory bound of an exchange)
+ROUND_BYTES = 256 << 20
+
 
 def ranks_per_node() -> int:
     """Ranks sharing a node: $LOCAL_WORLD_SIZE (torchrun sets it), else 1 (tests: one folder
@@ -210,15 +213,28 @@ class PeerReplicas:
 
     def _run_plan(self, plan: list[tuple[int, int, str, int]], src_of: Any, dst_of: Any
                   ) -> int:
-        """Run the blob moves of `plan` that involve this rank: sends from the store
-        `src_of` gives, receives verified into the store `dst_of` gives."""
+        """Run the blob moves of `plan` in rounds of at most ROUND_BYTES (the same rounds on
+        every rank: the plan is global), so memory stays bounded whatever the size."""
+        received = 0
+        start, total = 0, 0
+        for i, move in enumerate(plan):
+            total += move[3]
+            if total >= ROUND_BYTES or i == len(plan) - 1:
+                received += self._run_round(plan[start : i + 1], src_of, dst_of)
+                start, total = i + 1, 0
+        return received
+
+    def _run_round(self, plan: list[tuple[int, int, str, int]], src_of: Any, dst_of: Any
+                   ) -> int:
+        """The blob moves of `plan` that involve this rank: sends from the store `src_of`
+        gives, receives verified into the store `dst_of` gives."""
         ops: list[Any] = []
         inbound: list[tuple[torch.Tensor, str, Store]] = []
         keep: list[torch.Tensor] = []
         for sender, receiver, digest, size in plan:
             if sender == self.rank and receiver != self.rank:
-                data = src_of(sender, receiver, digest).get(blob_key(digest))
-                t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+                data = bytearray(src_of(sender, receiver, digest).get(blob_key(digest)))
+                t = torch.frombuffer(data, dtype=torch.uint8) if data else \
                     torch.empty(0, dtype=torch.uint8)
                 keep.append(t)
                 ops.append(dist.P2POp(dist.isend, t, receiver, self.group))
@@ -229,11 +245,10 @@ class PeerReplicas:
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        received = 0
 
         def store_one(item: tuple[torch.Tensor, str, Store]) -> int:
             buf, digest, store = item
-            data = buf.numpy().tobytes()
+            data = buf.numpy().data
             if self.repo.hash.digest(data) != digest:
                 raise IntegrityError(f"blob {digest} received from a peer is corrupt; its "
                                      "copy was not committed")
@@ -241,8 +256,7 @@ class PeerReplicas:
             return len(data)
 
         with cf.ThreadPoolExecutor(8, thread_name_prefix="ckpt-peer") as pool:
-            received = sum(pool.map(store_one, inbound))
-        return received
+            return sum(pool.map(store_one, inbound))
 
 
 def _sizes(manifest: Any) -> dict[str, int]:
