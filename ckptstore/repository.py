@@ -726,6 +726,9 @@ class CheckpointStore:
           `handle.guard(optimizer)` to make `optimizer.step()` wait for that; a tensor
           changed in place too early fails the save with `SourceChangedError` naming it and
           nothing is committed (what can and cannot be detected: docs/training.md).
+
+        Tiered: the handle finishes when tier 0 has committed; replication to the later
+        tiers among `tiers` (default: all) follows in the background (`wait_replicated`).
         """
         t0 = time.perf_counter()
         targets = self._targets(tiers)

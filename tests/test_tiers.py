@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.errors import CheckpointNotFoundError, IntegrityError
+from ckptstore.errors import CheckpointNotFoundError, IntegrityError, InvalidNameError
 from ckptstore.layout import blob_key
 from ckptstore.tiers import pending
 from ckptstore.tiers.replication import ReplicationError, RetryPolicy
@@ -180,6 +180,12 @@ def test_delete_one_tier_and_saves_not_meant_for_far(tmp_path: Path) -> None:
         assert repo.tiers[0].verify("c").ok
         with pytest.raises(ValueError):
             repo.save("d", state(2), tiers=[5])
+        with pytest.raises(ValueError):
+            repo.delete("a", tier=2)
+    with pytest.raises(InvalidNameError, match="rank"):
+        ckptstore.CheckpointStore([str(tmp_path / "n{rank}"), str(tmp_path / "far")])
+    with pytest.raises(InvalidNameError, match="twice"):
+        ckptstore.CheckpointStore([str(tmp_path / "near"), str(tmp_path / "near")])
 
 
 WORKER = textwrap.dedent("""

@@ -106,7 +106,8 @@ class PeerReplicas:
             near = self.repo.tiers[0]
             raw = near.store.get(manifest_key(name))
             manifest = near.manifest(name)
-            header = {"ok": True, "manifest": raw.decode(), "blobs": _sizes(manifest)}
+            header = {"ok": True, "manifest": raw.decode(),
+                      "blobs": _sizes(near.store, manifest)}
         headers = all_gather_json(header, self.group)
         wants: dict[str, list[str]] = {}
         for sender, copy in self._copies.items():
@@ -166,7 +167,7 @@ class PeerReplicas:
                 copy = self._copies[r]
                 raw = copy.store.get(manifest_key(name))
                 offer[str(r)] = {"manifest": raw.decode(),
-                                 "blobs": _sizes(copy.manifest(name))}
+                                 "blobs": _sizes(copy.store, copy.manifest(name))}
         offers = all_gather_json(offer, self.group)
         wants: dict[str, list[str]] = {}
         mine = offers[source[self.rank]].get(str(self.rank)) if self.rank in source else None
@@ -233,9 +234,10 @@ class PeerReplicas:
         keep: list[torch.Tensor] = []
         for sender, receiver, digest, size in plan:
             if sender == self.rank and receiver != self.rank:
-                data = bytearray(src_of(sender, receiver, digest).get(blob_key(digest)))
-                t = torch.frombuffer(data, dtype=torch.uint8) if data else \
-                    torch.empty(0, dtype=torch.uint8)
+                t = torch.empty(size, dtype=torch.uint8)  # read straight into the tensor
+                if size:
+                    src_of(sender, receiver, digest).read_into(blob_key(digest), 0,
+                                                               t.numpy().data)
                 keep.append(t)
                 ops.append(dist.P2POp(dist.isend, t, receiver, self.group))
             elif receiver == self.rank and sender != self.rank:
@@ -259,12 +261,13 @@ class PeerReplicas:
             return sum(pool.map(store_one, inbound))
 
 
-def _sizes(manifest: Any) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for t in manifest.tensors:
-        for c in t.chunks:
-            sizes[c.blob] = max(sizes.get(c.blob, 0), c.offset + c.size)
-    return sizes
+def _sizes(store: Store, manifest: Any) -> dict[str, int]:
+    """{blob: its size in `store`} for every blob the manifest references (the stored size:
+    a pack may be longer than the members this manifest uses)."""
+    blobs = sorted(manifest.blob_digests())
+    with cf.ThreadPoolExecutor(8) as pool:
+        sizes = list(pool.map(lambda b: store.stat(blob_key(b)).size, blobs))
+    return dict(zip(blobs, sizes))
 
 
 def _missing(store: Store, digests: list[str]) -> list[str]:
