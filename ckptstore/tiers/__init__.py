@@ -7,6 +7,8 @@ a CheckpointStore (the facade composes them).
     pending.py      tier-0 records of checkpoints still to replicate (found again on reopen)
     replication.py  copy one checkpoint to the next tier (verified, create-only) and the
                     background Replicator with its retries
-    nearest.py      restore sources: each chunk from the nearest tier holding a good copy,
-                    repairing the nearer ones
+
+Restores from the nearest good copy use the reader's fallback sources
+(pipeline/reader.py); the facade repairs the nearer tiers (CheckpointStore._repair). Peer
+replicas over torch.distributed are training/peers.py.
 """

@@ -260,7 +260,10 @@ class CheckpointManager:
                 name = self.name_of(step)
                 try:
                     self._doomed[i] |= tier.manifest(name).blob_digests()
-                    self.repo.delete(name, tier=i)
+                    if len(tiers) == 1:
+                        self.repo.delete(name)
+                    else:
+                        self.repo.delete(name, tier=i)
                     holdings[i].discard(step)
                 except FileNotFoundError:
                     continue

@@ -215,50 +215,76 @@ class PeerReplicas:
     def _run_plan(self, plan: list[tuple[int, int, str, int]], src_of: Any, dst_of: Any
                   ) -> int:
         """Run the blob moves of `plan` in rounds of at most ROUND_BYTES (the same rounds on
-        every rank: the plan is global), so memory stays bounded whatever the size."""
-        received = 0
+        every rank: the plan is global), two rounds in flight: round k+1 is read and posted
+        before round k is awaited, and round k is verified and written while k+1 travels.
+        Memory: about two rounds. Errors are raised once every posted transfer ended."""
+        rounds: list[list[tuple[int, int, str, int]]] = []
         start, total = 0, 0
         for i, move in enumerate(plan):
             total += move[3]
             if total >= ROUND_BYTES or i == len(plan) - 1:
-                received += self._run_round(plan[start : i + 1], src_of, dst_of)
+                rounds.append(plan[start : i + 1])
                 start, total = i + 1, 0
+        received = 0
+        previous: _Round | None = None
+        error: BaseException | None = None
+        with cf.ThreadPoolExecutor(8, thread_name_prefix="ckpt-peer") as pool:
+            for moves in rounds + [[]]:
+                current = self._post(moves, src_of, dst_of) if moves else None
+                if previous is not None:
+                    previous.wait()
+                    try:
+                        if error is None:
+                            received += sum(pool.map(self._store_one, previous.inbound))
+                    except BaseException as exc:  # keep draining: the others are posted
+                        error = exc
+                previous = current
+        if error is not None:
+            raise error
         return received
 
-    def _run_round(self, plan: list[tuple[int, int, str, int]], src_of: Any, dst_of: Any
-                   ) -> int:
-        """The blob moves of `plan` that involve this rank: sends from the store `src_of`
-        gives, receives verified into the store `dst_of` gives."""
+    def _post(self, plan: list[tuple[int, int, str, int]], src_of: Any, dst_of: Any
+              ) -> _Round:
+        """Post the sends (read straight into their tensors) and receives of this rank."""
         ops: list[Any] = []
         inbound: list[tuple[torch.Tensor, str, Store]] = []
-        keep: list[torch.Tensor] = []
+        outbound: list[torch.Tensor] = []
         for sender, receiver, digest, size in plan:
             if sender == self.rank and receiver != self.rank:
-                t = torch.empty(size, dtype=torch.uint8)  # read straight into the tensor
+                t = torch.empty(size, dtype=torch.uint8)
                 if size:
                     src_of(sender, receiver, digest).read_into(blob_key(digest), 0,
                                                                t.numpy().data)
-                keep.append(t)
+                outbound.append(t)
                 ops.append(dist.P2POp(dist.isend, t, receiver, self.group))
             elif receiver == self.rank and sender != self.rank:
                 buf = torch.empty(size, dtype=torch.uint8)
                 inbound.append((buf, digest, dst_of(sender, receiver, digest)))
                 ops.append(dist.P2POp(dist.irecv, buf, sender, self.group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return _Round(works, inbound, outbound)
 
-        def store_one(item: tuple[torch.Tensor, str, Store]) -> int:
-            buf, digest, store = item
-            data = buf.numpy().data
-            if self.repo.hash.digest(data) != digest:
-                raise IntegrityError(f"blob {digest} received from a peer is corrupt; its "
-                                     "copy was not committed")
-            store.put(blob_key(digest), data)
-            return len(data)
+    def _store_one(self, item: tuple[torch.Tensor, str, Store]) -> int:
+        buf, digest, store = item
+        data = buf.numpy().data
+        if self.repo.hash.digest(data) != digest:
+            raise IntegrityError(f"blob {digest} received from a peer is corrupt; its copy "
+                                 "was not committed")
+        store.put(blob_key(digest), data)
+        return len(data)
 
-        with cf.ThreadPoolExecutor(8, thread_name_prefix="ckpt-peer") as pool:
-            return sum(pool.map(store_one, inbound))
+
+@dataclass
+class _Round:
+    """Posted transfers of one round; `outbound` keeps the send tensors alive."""
+
+    works: list[Any]
+    inbound: list[tuple[torch.Tensor, str, Store]]
+    outbound: list[torch.Tensor]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def _sizes(store: Store, manifest: Any) -> dict[str, int]:
