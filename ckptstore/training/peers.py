@@ -249,18 +249,22 @@ class PeerReplicas:
         ops: list[Any] = []
         inbound: list[tuple[torch.Tensor, str, Store]] = []
         outbound: list[torch.Tensor] = []
+        reads: list[tuple[Store, str, torch.Tensor]] = []
         for sender, receiver, digest, size in plan:
             if sender == self.rank and receiver != self.rank:
                 t = torch.empty(size, dtype=torch.uint8)
                 if size:
-                    src_of(sender, receiver, digest).read_into(blob_key(digest), 0,
-                                                               t.numpy().data)
+                    reads.append((src_of(sender, receiver, digest), digest, t))
                 outbound.append(t)
                 ops.append(dist.P2POp(dist.isend, t, receiver, self.group))
             elif receiver == self.rank and sender != self.rank:
                 buf = torch.empty(size, dtype=torch.uint8)
                 inbound.append((buf, digest, dst_of(sender, receiver, digest)))
                 ops.append(dist.P2POp(dist.irecv, buf, sender, self.group))
+        if reads:  # straight into the send tensors, in parallel
+            with cf.ThreadPoolExecutor(8, thread_name_prefix="ckpt-peer-read") as pool:
+                list(pool.map(lambda r: r[0].read_into(blob_key(r[1]), 0, r[2].numpy().data),
+                              reads))
         works = dist.batch_isend_irecv(ops) if ops else []
         return _Round(works, inbound, outbound)
 
