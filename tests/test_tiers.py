@@ -218,7 +218,7 @@ def slow_puts(server: ChaosServer, delay: float) -> None:
 def test_kill9_while_replicating_leaves_far_whole_and_reopen_finishes(
         tmp_path: Path, s3_uri: str, moto_endpoint: str) -> None:
     server = ChaosServer(moto_app())
-    slow_puts(server, 0.15)  # replication is still running when the saves end
+    slow_puts(server, 0.3)  # replication is still running when the saves end
     near, n = str(tmp_path / "near"), 5
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     proc = subprocess.Popen([sys.executable, "-c", WORKER, near, s3_uri, server.endpoint,
@@ -227,7 +227,7 @@ def test_kill9_while_replicating_leaves_far_whole_and_reopen_finishes(
         assert proc.stdout is not None
         for i in range(n):
             assert proc.stdout.readline().strip() == f"saved s{i}"
-        time.sleep(0.5)  # some blobs of the first checkpoints are on their way
+        time.sleep(0.2)  # some blobs of the first checkpoints are on their way
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     finally:
