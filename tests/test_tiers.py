@@ -251,3 +251,40 @@ def test_kill9_while_replicating_leaves_far_whole_and_reopen_finishes(
         want = np.random.default_rng(i).standard_normal(300_000).astype(np.float32)
         assert far.load(f"s{i}")["w"].tobytes() == want.tobytes()
     assert pending.read_records(near_repo.store) == []
+
+
+def test_replication_resends_blobs_a_concurrent_sweep_deleted(tmp_path: Path) -> None:
+    """A gc that slipped past the leases (belt and braces, maintenance/leases.py) deletes a
+    blob the replication found present on the far tier: the replication sees the changed
+    sweep marker, asks again and sends the blob before it creates the manifest."""
+    from ckptstore.layout import SWEEP_KEY
+    from ckptstore.stores.local import LocalStore
+    from ckptstore.tiers.replication import replicate_checkpoint
+
+    near = ckptstore.CheckpointStore(str(tmp_path / "near"))
+    near.save("a", state(1))
+    near.save("b", state(2))  # shares the frozen tensor's chunks with "a"
+    far_root = tmp_path / "far"
+    replicate_checkpoint("a", [near.store], LocalStore(far_root), near.hash)
+    ckptstore.CheckpointStore(str(far_root)).delete("a")  # its blobs stay until a gc
+    frozen = {c.blob for t in near.find_manifest("b").tensors if t.key == "frozen"
+              for c in t.chunks}
+
+    class SweptDuringCopy(LocalStore):
+        """Deletes the shared blobs and announces a sweep at the first blob write."""
+        swept = False
+
+        def put(self, key: str, data: bytes) -> None:
+            if key.startswith("blobs/") and not self.swept:
+                type(self).swept = True
+                for blob in frozen:
+                    self.delete(blob_key(blob))
+                LocalStore.put(self, SWEEP_KEY, b'{"gc":"x","state":"deleting"}')
+            super().put(key, data)
+
+    dst = SweptDuringCopy(far_root)
+    result = replicate_checkpoint("b", [near.store], dst, near.hash)
+    assert SweptDuringCopy.swept and result is not None
+    far = ckptstore.CheckpointStore(str(far_root), create=False)
+    assert far.verify("b").ok
+    same(far.load("b"), state(2))

@@ -11,6 +11,8 @@ Contract of `replicate_checkpoint(name, sources, dst)`, the one step (idempotent
 3. Blobs `dst` lacks are found (those of the parent's manifest on `dst` are known present,
    the rest are asked with `exists`), read from the nearest source holding a good copy,
    re-hashed and compared with their names (IntegrityError when no source has one), written.
+   If a gc may have swept `dst` meanwhile (its sweep marker changed), the blobs assumed
+   present are asked again and any gone are sent too, as a save confirms what it reuses.
 4. `dst.sync()`: every blob durable; then the source manifest's exact bytes are created
    create-only. A far tier never lists a checkpoint whose chunks it lacks, at any instant.
 
@@ -167,6 +169,12 @@ def replicate_checkpoint(name: str, sources: Sequence[Store], dst: Store,
                 return len(data)
 
             sent = sum(f.result() for f in completed(pool.submit(send, b) for b in missing))
+            if lease.sweep_may_have_run():  # belt and braces, as a save does (leases.py)
+                assumed = sorted(set(sizes) - set(missing))
+                gone = [b for b, ok in zip(assumed, pool.map(
+                    lambda b: dst.exists(blob_key(b)), assumed)) if not ok]
+                sent += sum(f.result() for f in completed(pool.submit(send, b) for b in gone))
+                missing += gone
         dst.sync()  # every blob durable before the manifest exists
         lease.check()
         try:
