@@ -8,6 +8,7 @@ Where things are (each folder's `__init__` says more; imports flow down this lis
     stores/          the object stores: local folder, memory, S3; `testing`, the contract suite
     pipeline/        moving bytes: the save and restore pipelines under a memory budget
     maintenance/     verify, gc and the leases that keep saves and gc apart
+    tiers/           tiered repositories: tier list, replication, pending records
     repository.py    CheckpointStore, the facade
     tools/           copying, inspection, import/export, the zarr view
     training/        CheckpointManager, torch.distributed, RNG state, Lightning

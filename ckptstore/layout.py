@@ -8,6 +8,8 @@ layout idea). Every other module builds keys through here; docs/format.md is its
     locks/gc-<32 hex>.json         a gc in progress
     locks/sweep.json               the last gc's state ("deleting" / "done")
     locks/clock-<32 hex>.json      a probe written and deleted to read the store's clock
+    replication/<name>.json        tiered stores, tier 0 only: checkpoint <name> still has to
+                                   reach later tiers (see ckptstore/tiers/pending.py)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ MANIFEST_SUFFIX = ".json"
 LOCK_PREFIX = "locks/"
 SWEEP_KEY = f"{LOCK_PREFIX}sweep.json"
 LEASE_KINDS = ("save", "gc")
+REPLICATION_PREFIX = "replication/"
 
 
 def blob_key(hex_digest: str) -> str:
@@ -67,3 +70,19 @@ def lease_kind(key: str) -> str | None:
 
 def clock_probe_key(token: str) -> str:
     return f"{LOCK_PREFIX}clock-{token}.json"
+
+
+def replication_key(name: str) -> str:
+    """Key of the pending-replication record of checkpoint `name` (validated)."""
+    return f"{REPLICATION_PREFIX}{validate_name(name)}{MANIFEST_SUFFIX}"
+
+
+def name_of_replication_key(key: str) -> str | None:
+    """The checkpoint name of a pending-replication record key, or None."""
+    rest = key[len(REPLICATION_PREFIX):] if key.startswith(REPLICATION_PREFIX) else ""
+    if not rest.endswith(MANIFEST_SUFFIX):
+        return None
+    try:
+        return validate_name(rest[: -len(MANIFEST_SUFFIX)])
+    except ValueError:
+        return None

@@ -1,4 +1,5 @@
-"""CheckpointStore: the user-facing repository of checkpoints in one store.
+"""CheckpointStore: the user-facing repository of checkpoints in one store, or in several
+tiers (a list of URIs, nearest first: see ckptstore/tiers and docs/recovery.md).
 
 Layout (docs/format.md): `ckptstore.json` marker, `blobs/ab/<digest>` immutable chunks,
 `checkpoints/<name>.json` manifests. A manifest is created once, after all its blobs are
@@ -7,7 +8,10 @@ the manifests, never stored.
 
 Why one module of ~710 lines: it is the facade; listing and commit order, the save (prepare,
 write, commit, retry on vanished reuse), the load and the maintenance entry points each take
-a screen, and they share the manifest cache and the save lock.
+a screen, and they share the manifest cache and the save lock. A tiered store is the same
+object over tier 0 (where saves land) plus plain single-tier CheckpointStores for every tier;
+the reading methods take the union, `load` the nearest good copy of each chunk, and the
+tiers package does replication and its bookkeeping.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .collector import paused_collector, quiet_collector
@@ -32,6 +36,7 @@ from .errors import (
     CheckpointNotFoundError,
     CkptStoreError,
     FormatError,
+    InvalidNameError,
     ObjectExistsError,
     ObjectNotFoundError,
     RepositoryNotFoundError,
@@ -54,6 +59,9 @@ from .pipeline.reader import CheckpointReader, LoadOptions
 from .pipeline.staging import StagingArena
 from .pipeline.writer import CheckpointWriter, KnownChunks, SaveInfo, SaveOptions
 from .stores import Store, open_store
+from .tiers import config as tier_config
+from .tiers import pending
+from .tiers.replication import Replicator, RetryPolicy, fetch_verified
 
 REPO_FORMAT = "ckptstore"
 REPO_VERSION = 1
@@ -96,6 +104,18 @@ class ReusedBlobsMissingError(StoreError):
         super().__init__(f"{len(missing)} blob(s) this save reuses were deleted before its "
                          f"commit (first: {missing[0]}); nothing was committed")
         self.missing = missing
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """What the last `load` of a CheckpointStore read: stored bytes served by each tier
+    (URI -> bytes, nearest first) and the blobs rewritten on a nearer tier because its copy
+    was missing or corrupt there."""
+
+    name: str
+    bytes_by_tier: dict[str, int]
+    repaired: list[str] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -177,13 +197,22 @@ class CheckpointStore:
     asking for another is an error.
     """
 
-    def __init__(self, uri: str | os.PathLike[str] | Store, *, create: bool = True,
-                 chunk_bytes: int | None = None,
+    def __init__(self, uri: str | os.PathLike[str] | Store | Sequence[tier_config.TierURI], *,
+                 create: bool = True, chunk_bytes: int | None = None,
                  compression: str | Codec | None = None, workers: int | None = None,
                  max_inflight_bytes: int | None = None, hash: str | None = None,
                  staging: str = "copy", max_host_bytes: int | None = None,
+                 replicate: bool = True, replication_retry: RetryPolicy | None = None,
                  **store_options: Any) -> None:
         check_staging(staging, max_host_bytes)
+        tier_uris = tier_config.tier_uris(uri)
+        if any(tier_config.has_placeholders(u) for u in tier_uris):
+            raise InvalidNameError("tier URIs with {rank}/{node}/{local_rank} must be filled in "
+                                   "first (CheckpointManager does it; or tiers.config.expand)")
+        uri = tier_uris[0]
+        tier_options = dict(store_options)
+        if len(tier_uris) > 1:
+            store_options = tier_config.options_for(uri, store_options)
         #: defaults of `save_async` (see there)
         self.staging = staging
         self.max_host_bytes = max_host_bytes
@@ -221,6 +250,46 @@ class CheckpointStore:
         self._bg = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-async")
         self._pending: SaveHandle | None = None
         self._not_before = 0.0  # set by each save's _prepare (see CheckpointWriter.not_before)
+        #: what the last `load` read, per tier (see LoadInfo)
+        self.last_load: LoadInfo | None = None
+        #: the tiers, nearest first, each a single-tier CheckpointStore ([self] for one tier)
+        self.tiers: builtins.list[CheckpointStore] = [self]
+        self._tiered = len(tier_uris) > 1
+        self._replicator: Replicator | None = None
+        if self._tiered:
+            self._open_tiers(tier_uris, create, chunk_bytes, compression, workers,
+                             max_inflight_bytes, tier_options, replicate, replication_retry)
+
+    def _open_tiers(self, uris: builtins.list[tier_config.TierURI], create: bool,
+                    chunk_bytes: int | None, compression: str | Codec | None,
+                    workers: int | None, max_inflight_bytes: int | None,
+                    options: dict[str, Any], replicate: bool,
+                    retry: RetryPolicy | None) -> None:
+        """Open every tier as an ordinary repository (same hash as tier 0; each takes the
+        options that fit it), then resume the replications a crash left pending."""
+        common = dict(chunk_bytes=chunk_bytes, compression=compression, workers=workers,
+                      max_inflight_bytes=max_inflight_bytes, hash=self.hash.name)
+        opened: builtins.list[CheckpointStore] = []
+        try:
+            opened.append(CheckpointStore(self.store, **common))  # type: ignore[arg-type]
+            for u in uris[1:]:
+                opts = tier_config.options_for(u, options)
+                if not create and not isinstance(u, Store) and not str(u).startswith(
+                        "memory://"):
+                    opts.setdefault("create", False)
+                opened.append(CheckpointStore(u, create=create, **common,  # type: ignore[arg-type]
+                                              **opts))
+        except BaseException:
+            for t in opened[1:]:
+                t.close()
+            raise
+        self.tiers = opened
+        if replicate:
+            self._replicator = Replicator(
+                [t.store for t in opened], self.hash, retry=retry,
+                workers=self.save_options.workers,
+                max_inflight_bytes=self.save_options.max_inflight_bytes)
+            self._replicator.resume()
 
     # ------------------------------------------------------------------ marker
     def _check_marker(self, create: bool, algorithm: HashAlgorithm) -> HashAlgorithm:
@@ -259,6 +328,8 @@ class CheckpointStore:
             if latest is None:
                 raise CheckpointNotFoundError(f"no checkpoints in {self.uri}")
             name = latest
+        if self._tiered:
+            return self._nearest_manifest(name)
         key = manifest_key(name)
         with self._cache_lock:
             cached = self._manifests.get(name)
@@ -280,9 +351,28 @@ class CheckpointStore:
             self._manifests[name] = manifest
         return manifest
 
+    def _nearest_manifest(self, name: str) -> Manifest:
+        """Tiered: the manifest from the nearest tier with a readable one (an unreadable
+        near copy is logged and skipped)."""
+        damaged: FormatError | None = None
+        for tier in self.tiers:
+            try:
+                return tier.manifest(name)
+            except CheckpointNotFoundError:
+                continue
+            except FormatError as exc:
+                log.warning("%s; reading it from the next tier", exc)
+                damaged = damaged or exc
+        if damaged is not None:
+            raise damaged
+        raise CheckpointNotFoundError(f"no checkpoint {name!r} on any tier of {self.uri}")
+
     def names(self) -> list[str]:
         """Names of the committed checkpoints, unordered (one listing, no manifest reads).
-        Objects under checkpoints/ whose names no checkpoint can have are skipped."""
+        Objects under checkpoints/ whose names no checkpoint can have are skipped. Tiered:
+        the union over every tier."""
+        if self._tiered:
+            return list(dict.fromkeys(n for t in self.tiers for n in t.names()))
         return list(self._listing())
 
     def _listing(self, problems: list[ManifestProblem] | None = None) -> dict[str, int]:
@@ -311,6 +401,9 @@ class CheckpointStore:
         """Every object under checkpoints/ that is not a readable manifest, and why (reads
         every manifest)."""
         problems: builtins.list[ManifestProblem] = []
+        if self._tiered:
+            return [replace(p, reason=f"{t.uri}: {p.reason}")
+                    for t in self.tiers for p in t.problems()]
         names = self._listing(problems)
         with cf.ThreadPoolExecutor(8) as pool:
             for name, error in zip(names, pool.map(self._manifest_error, names)):
@@ -342,12 +435,22 @@ class CheckpointStore:
         which every save sets later than that of the newest checkpoint it saw (so a run that
         went back to an earlier step and saves again comes after the run it abandoned), then
         by name. Reads only the first bytes of each manifest, where canonical JSON puts
-        "created"; may list a manifest whose later bytes are damaged (see `latest`)."""
+        "created"; may list a manifest whose later bytes are damaged (see `latest`).
+        Tiered: the union over every tier, in the same order."""
+        if self._tiered:
+            seen: dict[str, float] = {}
+            for tier in self.tiers:
+                for c, name in tier._created_order():
+                    seen.setdefault(name, c)
+            return [name for c, name in sorted((c, n) for n, c in seen.items())]
+        return [name for _c, name in self._created_order()]
+
+    def _created_order(self) -> builtins.list[tuple[float, str]]:
+        """(created, name) of this tier's checkpoints, in commit order."""
         listing = self._listing()
         with cf.ThreadPoolExecutor(8) as pool:
             created = list(pool.map(lambda item: self._created(*item), listing.items()))
-        return [name for _c, name in sorted(
-            (c, name) for c, name in zip(created, listing) if c is not None)]
+        return sorted((c, name) for c, name in zip(created, listing) if c is not None)
 
     def latest(self) -> str | None:
         """Name of the newest whole checkpoint in commit order (see `history`), or None if
@@ -379,10 +482,26 @@ class CheckpointStore:
         return None if manifest is None else manifest.created
 
     def exists(self, name: str) -> bool:
+        """True if a tier (any, for a tiered store) holds the checkpoint's manifest."""
+        if self._tiered:
+            return any(t.exists(name) for t in self.tiers)
         return self.store.exists(manifest_key(name))
 
-    def delete(self, name: str) -> None:
-        """Remove a checkpoint (its manifest). Its blobs stay until `gc`."""
+    def where(self, name: str) -> builtins.list[str]:
+        """URIs of the tiers holding a committed copy of `name`, nearest first ([] if none)."""
+        if name == LATEST:
+            name = self.manifest(name).name
+        return [t.uri for t in self.tiers if t.exists(name)]
+
+    def delete(self, name: str, *, tier: int | None = None) -> None:
+        """Remove a checkpoint (its manifest) from every tier, or from tier `tier` only. Its
+        blobs stay until `gc`. A replication of it in progress is stopped first; deleting it
+        from a later tier only also removes that tier from its pending replication."""
+        if tier is not None and not 0 <= tier < len(self.tiers):
+            raise ValueError(f"tier must be in 0..{len(self.tiers) - 1}, got {tier!r}")
+        if self._tiered:
+            self._delete_tiered(name, tier)
+            return
         key = manifest_key(name)
         if not self.store.exists(key):
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.uri}")
@@ -390,6 +509,23 @@ class CheckpointStore:
         self.store.sync()
         with self._cache_lock:
             self._manifests.pop(name, None)
+
+    def _delete_tiered(self, name: str, tier: int | None) -> None:
+        validate_name(name)
+        if self._replicator is not None:
+            self._replicator.cancel(name)
+        chosen = range(len(self.tiers)) if tier is None else [tier]
+        holders = [i for i in chosen if self.tiers[i].exists(name)]
+        if not holders:
+            where = "any tier of " if tier is None else f"tier {tier} of "
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} on {where}{self.uri}")
+        near = self.tiers[0].store
+        if tier is None or tier == 0:
+            pending.clear_record(near, name)  # nothing left to replicate from
+        else:
+            pending.drop_tier(near, name, tier)
+        for i in holders:
+            self.tiers[i].delete(name)
 
     # ------------------------------------------------------------------ save
     def _prepare(self, name: str, state: Any, metadata: dict[str, Any] | None,
@@ -405,19 +541,23 @@ class CheckpointStore:
             metadata = json.loads(canonical_json(metadata))
         except (TypeError, ValueError) as exc:
             raise UnsupportedTypeError(f"metadata must be JSON-serializable: {exc}") from None
-        if self.store.exists(manifest_key(name)):
+        if self.exists(name):
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in {self.uri}; it "
                                         "was not touched")
         encoder = TreeEncoder()
         with paused_collector():
             tree = encoder.encode_state(state)
         latest = self.latest()
-        parent_name = latest if parent == LATEST else parent
+        near = self.tiers[0]  # saves land on tier 0: only chunks it holds may be reused
+        parent_name = (near.latest() if self._tiered else latest) if parent == LATEST else parent
         # Only the parent's chunks are known to exist: chunks remembered from earlier saves
         # may belong to checkpoints deleted (and swept by retention or gc) since.
         self._known = KnownChunks()
         if parent_name is not None:
-            self._known.add_manifest(self.manifest(parent_name))
+            if self._tiered and not near.exists(parent_name):
+                self.manifest(parent_name)  # raises if it is nowhere; its chunks are not near
+            else:
+                self._known.add_manifest(near.manifest(parent_name))
         self._not_before = 0.0 if latest is None else (
             self.manifest(latest).created + COMMIT_ORDER_STEP)
         return SaveRequest(name, tree, encoder.leaves, metadata, parent_name, manifest_key(name))
@@ -437,13 +577,24 @@ class CheckpointStore:
             return self.save_options
         return replace(self.save_options, compression=codec_option(compression))
 
+    def _targets(self, tiers: Iterable[int] | None) -> tuple[int, ...]:
+        """The later tiers a save is meant for (`tiers=None`: all); checked before saving."""
+        if tiers is None:
+            return tuple(range(1, len(self.tiers)))
+        chosen = set(tiers)
+        bad = [t for t in chosen if type(t) is not int or not 0 <= t < len(self.tiers)]
+        if bad:
+            raise ValueError(f"tiers must be in 0..{len(self.tiers) - 1}, got {bad}")
+        return tuple(sorted(chosen - {0}))
+
     def _write(self, request: SaveRequest, committer: Committer, options: SaveOptions,
                t0: float, blocked: float, lease: leases.Lease,
-               overlap: Overlap | None = None) -> SaveInfo:
-        """Write and commit `request` through `committer`; release the lease; then let the
-        committer run what follows a commit. Returns the SaveInfo."""
+               overlap: Overlap | None = None, targets: tuple[int, ...] = ()) -> SaveInfo:
+        """Write and commit `request` through `committer`; release the lease; queue the
+        replication to `targets` (later tiers); then let the committer run what follows a
+        commit. Returns the SaveInfo."""
         name, leaves = request.name, request.leaves
-        writer = self._writer(options, self._known, lease, overlap)
+        writer = self._writer(options, self._known, lease, overlap, targets)
         try:
             manifest = committer.commit(writer, request)
         except ReusedBlobsMissingError as exc:
@@ -451,7 +602,7 @@ class CheckpointStore:
                 raise  # other ranks wrote their part with the same assumption: nothing committed
             # a gc deleted chunks this save meant to reuse: write every chunk again
             log.warning("%s; writing checkpoint %r again without reusing chunks", exc, name)
-            writer = self._writer(options, KnownChunks(), lease, overlap)
+            writer = self._writer(options, KnownChunks(), lease, overlap, targets)
             manifest = committer.commit(writer, request)
         if manifest is not None:
             # cache what any reader will parse from the store: the writer's own objects only
@@ -460,6 +611,9 @@ class CheckpointStore:
                                           expected_name=name)
             with self._cache_lock:
                 self._manifests[name] = manifest
+            if self._tiered:
+                with self.tiers[0]._cache_lock:
+                    self.tiers[0]._manifests[name] = manifest
         s = writer.stats
         info = SaveInfo(name=name, tensors=len(leaves),
                         logical_bytes=sum(leaf.nbytes for leaf in leaves) if manifest is None
@@ -470,6 +624,8 @@ class CheckpointStore:
                         blocked_seconds=blocked if blocked >= 0 else time.perf_counter() - t0,
                         stage_seconds=dict(s.seconds), peak_extra_bytes=writer.budget.peak)
         lease.release()  # committed: what follows (retention's sweep) may take a gc lease
+        if manifest is not None and targets and self._replicator is not None:
+            self._replicator.submit(name, targets)
         if manifest is not None:
             try:
                 committer.committed(info)
@@ -480,12 +636,17 @@ class CheckpointStore:
         return info
 
     def _writer(self, options: SaveOptions, known: KnownChunks,
-                lease: leases.Lease | None, overlap: Overlap | None = None) -> CheckpointWriter:
+                lease: leases.Lease | None, overlap: Overlap | None = None,
+                targets: tuple[int, ...] = ()) -> CheckpointWriter:
         writer = CheckpointWriter(self.store, options, known)
         writer.overlap = overlap
         writer.not_before = self._not_before
         if lease is not None:
-            writer.before_commit = lambda _m, reused: self._confirm_reused(lease, reused)
+            def before_commit(manifest: Manifest, reused: set[str]) -> None:
+                self._confirm_reused(lease, reused)
+                if targets:  # durable before the commit: a crash after it resumes (pending.py)
+                    pending.write_record(self.store, manifest.name, targets)
+            writer.before_commit = before_commit
         return writer
 
     def _confirm_reused(self, lease: leases.Lease, reused: set[str]) -> None:
@@ -515,7 +676,7 @@ class CheckpointStore:
     def save(self, name: str, state: Any, metadata: dict[str, Any] | None = None, *,
              parent: str | None = LATEST,
              compression: Compression = REPO_DEFAULT,
-             committer: Committer = LOCAL) -> SaveInfo:
+             committer: Committer = LOCAL, tiers: Iterable[int] | None = None) -> SaveInfo:
         """Save `state` as checkpoint `name` and commit it; returns when it is durable.
         `committer` decides how the manifest is committed (pipeline/commit.py): alone, or
         once for many ranks (CheckpointManager under torch.distributed).
@@ -523,8 +684,12 @@ class CheckpointStore:
         Chunks already in the store (known from `parent`, default the latest checkpoint, and
         from this object's earlier saves) are not written again. Raises CheckpointExistsError
         if `name` exists, TypeError (UnsupportedTypeError) naming the key path of a value that
-        cannot be stored."""
+        cannot be stored.
+
+        Tiered: returns once tier 0 has committed; the checkpoint is then replicated in the
+        background to the later tiers among `tiers` (default: all; see wait_replicated)."""
         t0 = time.perf_counter()
+        targets = self._targets(tiers)
         with self._save_lock:
             self._wait_pending()
             # the lease spans reading the parent (whose chunks are reused) to the commit
@@ -533,13 +698,14 @@ class CheckpointStore:
             with leases.save_lease(self.store) as lease, quiet_collector(), paused_collector():
                 request = self._prepare_or_abort(committer, name, state, metadata, parent)
                 return self._write(request, committer, self._options(compression), t0, -1.0,
-                                   lease)
+                                   lease, targets=targets)
 
     def save_async(self, name: str, state: Any, metadata: dict[str, Any] | None = None, *,
                    parent: str | None = LATEST, compression: Compression = REPO_DEFAULT,
                    committer: Committer = LOCAL, staging: str | None = None,
                    max_host_bytes: int | None = None,
-                   copy_keys: Iterable[str] = ()) -> SaveHandle:
+                   copy_keys: Iterable[str] = (),
+                   tiers: Iterable[int] | None = None) -> SaveHandle:
         """Save `state` in the background; the checkpoint holds each tensor's value at the
         moment of this call. One save is in flight at a time: this first waits for the
         previous one, and raises its error if it failed and `wait()` never reported it.
@@ -560,8 +726,12 @@ class CheckpointStore:
           `handle.guard(optimizer)` to make `optimizer.step()` wait for that; a tensor
           changed in place too early fails the save with `SourceChangedError` naming it and
           nothing is committed (what can and cannot be detected: docs/training.md).
+
+        Tiered: the handle finishes when tier 0 has committed; replication to the later
+        tiers among `tiers` (default: all) follows in the background (`wait_replicated`).
         """
         t0 = time.perf_counter()
+        targets = self._targets(tiers)
         staging = self.staging if staging is None else staging
         max_host_bytes = self.max_host_bytes if max_host_bytes is None else max_host_bytes
         check_staging(staging, max_host_bytes)
@@ -597,7 +767,7 @@ class CheckpointStore:
                 try:
                     with quiet_collector():
                         info = self._write(request, committer, options, t0, blocked, lease,
-                                           overlap)
+                                           overlap, targets)
                     if overlap is None:
                         return info
                     overlap.finish()
@@ -654,17 +824,73 @@ class CheckpointStore:
         tensors at the same dotted keys are filled in place (same objects returned) and
         `strict` requires every tensor of `into` to be in the checkpoint; with `keys`, only
         those keys or subtrees are read. Every byte is verified (IntegrityError names the
-        tensor and blob); on an error, `into` tensors may be partly overwritten."""
-        reader = CheckpointReader(self.store, self.load_options)
+        tensor and blob); on an error, `into` tensors may be partly overwritten.
+
+        Tiered: the manifest comes from the nearest tier holding it, each chunk from the
+        nearest tier holding a good copy; a missing or corrupt chunk on a tier that holds the
+        checkpoint is rewritten there from the farther copy (a RuntimeWarning names the blob).
+        IntegrityError only when no tier has a good copy. `last_load` tells the bytes each
+        tier served."""
+        t0 = time.perf_counter()
         with quiet_collector():
             manifest = self.manifest(name)
-            return load_state(reader, manifest, into=into, keys=keys, strict=strict)
+            repaired: builtins.list[str] = []
+            if self._tiered:
+                holders = [i for i, t in enumerate(self.tiers) if t.exists(manifest.name)]
+                reader = CheckpointReader(
+                    self.store, self.load_options,
+                    fallbacks=[t.store for t in self.tiers[1:]],
+                    on_fallback=lambda blob, good, failed: self._repair(
+                        blob, good, [i for i in failed if i in holders], repaired))
+            else:
+                reader = CheckpointReader(self.store, self.load_options)
+            try:
+                return load_state(reader, manifest, into=into, keys=keys, strict=strict)
+            finally:
+                self.last_load = LoadInfo(
+                    manifest.name,
+                    {t.uri: n for t, n in zip(self.tiers, reader.bytes_by_source)},
+                    repaired, time.perf_counter() - t0)
+
+    def _repair(self, blob: str, good: int, bad: builtins.list[int],
+                repaired: builtins.list[str]) -> None:
+        """Rewrite `blob` on tiers `bad` (which hold the checkpoint but lack a good copy)
+        from tier `good`, verified; a failed repair is a warning, never the load's error."""
+        if not bad:
+            return
+        try:
+            data = fetch_verified(blob, [self.tiers[good].store], self.hash)
+            for i in bad:
+                store = self.tiers[i].store
+                store.put(blob_key(blob), data)
+                store.sync()
+            repaired.append(blob)
+            warnings.warn(f"blob {blob} was missing or corrupt in "
+                          f"{', '.join(self.tiers[i].uri for i in bad)}; read from "
+                          f"{self.tiers[good].uri} and rewritten there", RuntimeWarning,
+                          stacklevel=2)
+        except CkptStoreError as exc:
+            warnings.warn(f"blob {blob} was missing or corrupt in "
+                          f"{', '.join(self.tiers[i].uri for i in bad)} and read from "
+                          f"{self.tiers[good].uri}, but rewriting it failed: {exc}",
+                          RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ maintenance
-    def verify(self, name: str = LATEST, *, sample: float = 1.0) -> checks.VerifyReport:
+    def verify(self, name: str = LATEST, *, sample: float = 1.0,
+               tier: int | None = None) -> checks.VerifyReport:
         """Re-read and re-hash every blob the checkpoint references (or a random `sample`
-        fraction of them). Returns a report; `report.ok` is False on any bad or missing blob."""
-        return checks.verify(self.store, [self.manifest(name)], self.hash, sample=sample)
+        fraction of them). Returns a report; `report.ok` is False on any bad or missing blob.
+        Tiered: the copy on tier `tier`, by default on the nearest tier holding it."""
+        manifest = self.manifest(name)
+        if self._tiered:
+            holders = [i for i, t in enumerate(self.tiers) if t.exists(manifest.name)]
+            if tier is None and holders:
+                tier = holders[0]
+            if tier is None or tier not in holders:
+                raise CheckpointNotFoundError(f"no checkpoint {manifest.name!r} on tier {tier}"
+                                              f" of {self.uri}")
+            return self.tiers[tier].verify(manifest.name, sample=sample)
+        return checks.verify(self.store, [manifest], self.hash, sample=sample)
 
     def referenced_blobs(self) -> set[str]:
         """Every blob referenced by a committed manifest. Raises CkptStoreError if a manifest
@@ -684,20 +910,65 @@ class CheckpointStore:
         """Delete blobs no manifest references that are older than `grace_seconds` (and than
         checks.MIN_BLOB_AGE), ages read on the store's clock (`now` overrides it: tests), and
         the lease objects left by dead processes. Raises LeaseBusyError (nothing deleted) if
-        saves hold leases on this store for longer than `wait` seconds."""
+        saves hold leases on this store for longer than `wait` seconds. Tiered: every tier
+        in turn (each keeps what its own manifests reference); the report sums them."""
+        if self._tiered:
+            reports = [t.gc(grace_seconds, dry_run, wait=wait, now=now) for t in self.tiers]
+            return checks.GcReport(
+                dry_run=dry_run,
+                referenced_blobs=sum(r.referenced_blobs for r in reports),
+                deleted_blobs=sum(r.deleted_blobs for r in reports),
+                freed_bytes=sum(r.freed_bytes for r in reports),
+                kept_young_blobs=sum(r.kept_young_blobs for r in reports),
+                deleted_temp_files=sum(r.deleted_temp_files for r in reports),
+                seconds=sum(r.seconds for r in reports),
+                deleted=[f"{t.uri}/{k}" for t, r in zip(self.tiers, reports) for k in r.deleted],
+                min_age_seconds=max(r.min_age_seconds for r in reports),
+                removed_stale_leases=sum(r.removed_stale_leases for r in reports))
         if dry_run:
             return checks.gc(self.store, self.referenced_blobs, grace_seconds, True, now)
         with leases.gc_lease(self.store, wait=wait):
             return checks.gc(self.store, self.referenced_blobs, grace_seconds, False, now)
 
+    # ------------------------------------------------------------------ tiers
+    def wait_replicated(self, timeout: float | None = None) -> None:
+        """Block until every checkpoint this object saved or found pending is committed on
+        every tier it is meant for; raise the ReplicationError of one that gave up (after
+        retrying transient errors), or TimeoutError. A single-tier store only waits for the
+        save in flight."""
+        self.wait()
+        if self._replicator is not None:
+            self._replicator.wait(timeout)
+
+    def replicate_pending(self) -> builtins.list[str]:
+        """Queue the replications recorded on tier 0 and not finished (done on open; call
+        again after a ReplicationError to retry). Returns the names queued."""
+        return [] if self._replicator is None else self._replicator.resume()
+
+    def replicating(self) -> builtins.list[str]:
+        """Names queued or being replicated now, in order."""
+        return [] if self._replicator is None else self._replicator.pending()
+
+    def replication_pending(self, name: str) -> bool:
+        """True while `name` still has to reach a later tier (its record is on tier 0)."""
+        return self._tiered and pending.has_record(self.tiers[0].store, name)
+
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
-        """Wait for any save in flight, then release the store."""
+    def close(self, *, wait_replication: bool = True) -> None:
+        """Wait for any save in flight and (tiered, unless told not to) for replication,
+        then release the stores. Replication left unfinished resumes on the next open.
+        Raises the error of a save or replication nobody has seen, after releasing."""
         try:
             self.wait()
         finally:
-            self._bg.shutdown(wait=True)
-            self.store.close()
+            try:
+                if self._replicator is not None:
+                    self._replicator.close(wait=wait_replication)
+            finally:
+                self._bg.shutdown(wait=True)
+                for tier in self.tiers[1:]:
+                    tier.close()
+                self.store.close()
 
     def __enter__(self) -> CheckpointStore:
         return self

@@ -4,6 +4,10 @@ again: it resumes from the latest whole checkpoint and its losses continue bit f
 it had never stopped.
 
     python examples/train.py --run runs/train --steps 60 --every 5
+    # tiered: node-local disk first, every 2nd checkpoint also to S3 (MinIO), restore from
+    # whichever tier still holds a whole copy
+    python examples/train.py --run /nvme/train --far s3://bucket/train \
+        --endpoint-url http://127.0.0.1:9000 --far-every 2 --keep-far 10
 
 Each step prints `step <n> loss <float.hex>`; after a save is handed to the background it
 prints `saving <n>`. This is the plain-PyTorch loop the docs describe.
@@ -61,7 +65,14 @@ def say(line: str, hold_after: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--run", default="runs/train", help="checkpoint store URI")
+    p.add_argument("--run", default="runs/train", help="checkpoint store URI (tier 0)")
+    p.add_argument("--far", action="append", default=[],
+                   help="a farther tier (repeat for more, nearest first): checkpoints are "
+                        "replicated there in the background")
+    p.add_argument("--far-every", type=int, default=1,
+                   help="farther tiers receive every N-th checkpoint")
+    p.add_argument("--keep-far", type=int, default=10, help="checkpoints kept on farther tiers")
+    p.add_argument("--endpoint-url", default=None, help="S3 endpoint of s3:// tiers")
     p.add_argument("--data", default=None, help="dataset URI (default: <run>-data)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
@@ -86,10 +97,21 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=2, drop_last=True, collate="torch")
     rng = ckptstore.RNGState()
     state = {"model": model, "optim": opt, "sched": sched, "data": loader, "rng": rng}
-    mgr = ckptstore.CheckpointManager(args.run, keep_last=3, async_save=not args.sync)
+    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
+    if args.far:
+        tiers = [args.run, *args.far]
+        mgr = ckptstore.CheckpointManager(
+            tiers, keep_last=[3] + [args.keep_far] * len(args.far),
+            every=[1] + [args.far_every] * len(args.far), async_save=not args.sync, **options)
+    else:
+        mgr = ckptstore.CheckpointManager(args.run, keep_last=3, async_save=not args.sync,
+                                          **options)
 
     step = mgr.restore(state) or 0
     print(f"start {step}", flush=True)
+    if mgr.repo.last_load is not None and args.far:
+        served = {uri: n for uri, n in mgr.repo.last_load.bytes_by_tier.items() if n}
+        print(f"restored from {served}", flush=True)
     while step < args.steps:
         for batch in loader:
             tokens = batch["tokens"]

@@ -5,6 +5,7 @@
     ckpt diff URI A B                 ckpt rm URI NAME ...
     ckpt diff URI_A A URI_B B         ckpt cp SRC_URI DST_URI NAME ...
     ckpt du URI                       ckpt export URI NAME OUT / ckpt import URI NAME IN
+    ckpt ls NEAR FAR...               ckpt replicate NEAR FAR [--name N]   (tiers: cli/tiers.py)
 
 Output: tables on a terminal; one JSON document when stdout is not a terminal or with --json
 (--table forces tables). Exit codes: 0 ok; 1 the command ran and found a difference or a
@@ -106,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("ls", "list checkpoints, oldest first")
     p.add_argument("uri", metavar="URI")
+    p.add_argument("far", nargs="*", metavar="FAR_URI",
+                   help="farther tiers: list the union and on which tiers each checkpoint is")
 
     p = add("show", "one checkpoint's tensors and values")
     p.add_argument("uri", metavar="URI")
@@ -172,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-pickle", action="store_true",
                    help="allow reading a DCP directory, whose .metadata is a pickle that can "
                         "run code: only for sources you trust")
+    from .tiers import add_replicate_parser
+
+    add_replicate_parser(add, _positive_int)
     return parser
 
 
@@ -196,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     if args.command is None:
         sys.stderr.write("ckpt: error: choose a command: ls, show, diff, du, verify, gc, rm, "
-                         "cp, export, import (see 'ckpt --help')\n")
+                         "cp, export, import, replicate (see 'ckpt --help')\n")
         return EXIT_ERROR
     from . import commands
     from .output import Output

@@ -126,6 +126,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
 
 # --------------------------------------------------------------------------- ls
 def cmd_ls(args: argparse.Namespace, out: Output) -> int:
+    if getattr(args, "far", None):  # several tiers: cli/tiers.py
+        from .tiers import cmd_ls_tiers
+
+        return cmd_ls_tiers(args, out)
     with open_repo(args.uri, args) as repo:
         manifests, errors = load_manifests(repo)
         use = inspection.usage(manifests)
@@ -541,7 +545,14 @@ def cmd_import(args: argparse.Namespace, out: Output) -> int:
         return EXIT_OK
 
 
+def cmd_replicate(args: argparse.Namespace, out: Output) -> int:
+    from .tiers import cmd_replicate as replicate
+
+    return replicate(args, out)
+
+
 COMMANDS = {
     "ls": cmd_ls, "show": cmd_show, "diff": cmd_diff, "du": cmd_du, "verify": cmd_verify,
     "gc": cmd_gc, "rm": cmd_rm, "cp": cmd_cp, "export": cmd_export, "import": cmd_import,
+    "replicate": cmd_replicate,
 }

@@ -4,6 +4,13 @@ A chunk that fills a whole blob is read straight into its destination bytes (one
 living in the same pack blob are fetched with one ranged read and copied out. Every chunk is
 checked against its digest before `read_tensors` returns; on an IntegrityError the destination
 buffers may hold partial data and must not be used.
+
+Fallback sources (tiered repositories): a reader may be given further stores, nearest to
+farthest. A job (one chunk, or one run of a pack blob) whose blob is missing, short, corrupt or
+unreadable in the first store is done again from the next store, and so on; the error of the
+first store is raised only when no store served a good copy. After a job succeeded from store
+i > 0, `on_fallback(blob, i, failed)` is called (failed: the indexes of the stores that could
+not serve it) so the caller can repair them. `bytes_by_source[i]` counts what store i served.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..concurrency import completed
-from ..errors import IntegrityError, ObjectNotFoundError, ShortReadError
+from ..errors import IntegrityError, ObjectNotFoundError, ShortReadError, StoreError
 from ..format.hashing import XXH3_128, HashAlgorithm
 from ..format.manifest import ChunkRef, TensorEntry
 from ..layout import blob_key
@@ -77,13 +84,23 @@ class _Piece:
         return len(self.dest) != self.chunk.nbytes
 
 
-class CheckpointReader:
-    """Reads and verifies chunks into caller-provided buffers."""
+#: on_fallback(blob, index of the store that served it, indexes of the stores that failed)
+FallbackHook = Callable[[str, int, list[int]], None]
 
-    def __init__(self, store: Store, options: LoadOptions | None = None) -> None:
+
+class CheckpointReader:
+    """Reads and verifies chunks into caller-provided buffers (from `store`, then from the
+    `fallbacks` in order for a chunk the previous ones could not serve: module docstring)."""
+
+    def __init__(self, store: Store, options: LoadOptions | None = None, *,
+                 fallbacks: list[Store] | None = None,
+                 on_fallback: FallbackHook | None = None) -> None:
         self.store = store
+        self.sources = [store, *(fallbacks or [])]
         self.options = options or LoadOptions()
         self.bytes_read = 0
+        self.bytes_by_source = [0] * len(self.sources)
+        self.on_fallback = on_fallback
         self._lock = threading.Lock()
 
     def read_tensors(self, targets: list[ReadTarget]) -> None:
@@ -126,74 +143,100 @@ class CheckpointReader:
             for run in _merge_runs(pieces):
                 jobs.append((self._read_run, (blob, run, budget)))
         jobs.sort(key=lambda j: -_job_size(j))  # big first: better load balance
+        run_job = self._job if len(self.sources) == 1 else self._job_with_fallback
         with cf.ThreadPoolExecutor(self.options.workers, thread_name_prefix="ckpt-load") as pool:
-            for _ in completed(pool.submit(fn, *args) for fn, args in jobs):
+            for _ in completed(pool.submit(run_job, fn, args) for fn, args in jobs):
                 pass
+
+    def _job(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        fn(*args, source=0)
+
+    def _job_with_fallback(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        failed: list[int] = []
+        first: BaseException | None = None
+        for i in range(len(self.sources)):
+            try:
+                fn(*args, source=i)
+            except (IntegrityError, StoreError) as exc:
+                failed.append(i)
+                first = first or exc
+                continue
+            if failed and self.on_fallback is not None:
+                blob = args[0] if isinstance(args[0], str) else args[0].chunk.blob
+                self.on_fallback(blob, i, failed)
+            return
+        assert first is not None
+        raise first
 
     # ------------------------------------------------------------------ jobs
     def _fetch_into(self, entry: TensorEntry, blob: str, start: int, out: memoryview,
-                    want_digest: bool = False) -> str | None:
-        """Read blob bytes [start, start+len(out)) into `out`; with `want_digest`, return the
-        digest of those bytes (hashed by the store while reading where it can)."""
+                    want_digest: bool = False, source: int = 0) -> str | None:
+        """Read blob bytes [start, start+len(out)) of store `source` into `out`; with
+        `want_digest`, return the digest of those bytes (hashed by the store while reading
+        where it can)."""
+        store = self.sources[source]
         try:
             if want_digest and self.options.hash is XXH3_128:  # hashed while read, in cache
-                found: str | None = self.store.read_into_digest(blob_key(blob), start, out)
+                found: str | None = store.read_into_digest(blob_key(blob), start, out)
             elif want_digest:
-                self.store.read_into(blob_key(blob), start, out)
+                store.read_into(blob_key(blob), start, out)
                 found = self.options.hash.digest(out)
             else:
-                self.store.read_into(blob_key(blob), start, out)
+                store.read_into(blob_key(blob), start, out)
                 found = None
         except ObjectNotFoundError:
             raise IntegrityError(f"tensor {entry.key!r}: blob {blob} is missing from "
-                                 f"{self.store.uri}") from None
+                                 f"{store.uri}") from None
         except ShortReadError as exc:  # truncated, or replaced by a shorter object
             raise IntegrityError(f"tensor {entry.key!r}: blob {blob} is shorter than the "
                                  f"manifest declares ({exc})") from None
         with self._lock:
             self.bytes_read += len(out)
+            self.bytes_by_source[source] += len(out)
         return found
 
-    def _read_whole(self, p: _Piece, budget: ByteBudget) -> None:
+    def _read_whole(self, p: _Piece, budget: ByteBudget, source: int = 0) -> None:
         c, e = p.chunk, p.entry
         if p.partial:  # only part of the chunk is wanted: verify all of it, keep the part
             with budget.hold(c.nbytes):
                 full = np.empty(c.nbytes, np.uint8)
-                self._read_whole(_Piece(e, c, full), budget)
+                self._read_whole(_Piece(e, c, full), budget, source)
                 p.dest[:] = full[p.skip : p.skip + len(p.dest)]
             return
         dest = p.dest.data
         if e.codec is None:
-            if self._fetch_into(e, c.blob, c.offset, dest, want_digest=True) != c.digest:
-                raise _bad(p)
+            if self._fetch_into(e, c.blob, c.offset, dest, True, source) != c.digest:
+                raise _bad(p, self.sources[source])
             return
         with budget.hold(c.size):
             stored = _scratch(c.size)
-            if self._fetch_into(e, c.blob, 0, stored, want_digest=True) != c.blob:
-                raise IntegrityError(f"tensor {e.key!r}: blob {c.blob} is corrupt "
-                                     "(stored bytes do not match their digest)")
+            if self._fetch_into(e, c.blob, 0, stored, True, source) != c.blob:
+                raise IntegrityError(f"tensor {e.key!r}: blob {c.blob} is corrupt in "
+                                     f"{self.sources[source].uri} (stored bytes do not match "
+                                     "their digest)")
             e.codec.decode_into(stored, dest, e.dtype.itemsize,
                                 f"tensor {e.key!r}: blob {c.blob}")
         if self.options.hash.digest(dest) != c.digest:
-            raise _bad(p)
+            raise _bad(p, self.sources[source])
 
-    def _read_run(self, blob: str, run: list[_Piece], budget: ByteBudget) -> None:
+    def _read_run(self, blob: str, run: list[_Piece], budget: ByteBudget,
+                  source: int = 0) -> None:
         if len(run) == 1:
             p = run[0]
-            if self._fetch_into(p.entry, blob, p.chunk.offset, p.dest.data,
-                                want_digest=True) != p.chunk.digest:
-                raise _bad(p)
+            if self._fetch_into(p.entry, blob, p.chunk.offset, p.dest.data, True,
+                                source) != p.chunk.digest:
+                raise _bad(p, self.sources[source])
             return
         lo = run[0].chunk.offset
         hi = max(p.chunk.offset + p.chunk.size for p in run)
         with budget.hold(hi - lo):
             span = _scratch(hi - lo)
-            self._fetch_into(run[0].entry, blob, lo, span)
+            self._fetch_into(run[0].entry, blob, lo, span, source=source)
             for p in run:
                 a = p.chunk.offset - lo
                 part = span[a : a + p.chunk.size]
                 if self.options.hash.digest(part) != p.chunk.digest:
-                    raise _bad(p)
+                    raise _bad(p, self.sources[source])
                 p.dest[:] = np.frombuffer(part, np.uint8)
 
 
@@ -204,10 +247,10 @@ def _scratch(nbytes: int) -> memoryview:
     return memoryview(np.empty(nbytes, np.uint8).data).cast("B")
 
 
-def _bad(p: _Piece) -> IntegrityError:
-    return IntegrityError(f"tensor {p.entry.key!r}: blob {p.chunk.blob} is corrupt (bytes "
-                          f"{p.chunk.offset}..{p.chunk.offset + p.chunk.size} do not match "
-                          "their digest)")
+def _bad(p: _Piece, store: Store) -> IntegrityError:
+    return IntegrityError(f"tensor {p.entry.key!r}: blob {p.chunk.blob} is corrupt in "
+                          f"{store.uri} (bytes {p.chunk.offset}..{p.chunk.offset + p.chunk.size}"
+                          " do not match their digest)")
 
 
 def _merge_runs(pieces: list[_Piece]) -> list[list[_Piece]]:

@@ -23,13 +23,19 @@ left to the version check (docs/training.md, "Overlapped async saves").
 Retention runs inside the save, after its commit: checkpoints the policy drops are deleted and
 exactly the blobs no remaining checkpoint references are removed (a targeted sweep, not an
 age-based gc; the next save cannot start before it ends).
+
+Tiered repositories (a list of URIs, nearest first; docs/recovery.md): `keep_last`,
+`keep_every` and `every` take one value per tier (a scalar applies to all). `every=[1, 10]`
+saves every call on tier 0 and replicates every 10th to tier 1; retention runs per tier with
+the overrides of retention.TieredRetention (no tier-0 deletion before replication, no loss of
+a last copy tier 0's policy keeps); `wait()` also waits for replication and then retains.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,8 +48,11 @@ from ..pipeline.commit import Committer, LocalCommitter
 from ..pipeline.overlap import check_staging
 from ..pipeline.writer import SaveInfo
 from ..repository import CheckpointStore, SaveHandle
+from ..tiers import config as tier_config
+from ..tiers import pending
 from . import distributed as cdist
-from .retention import Retention
+from .peers import PeerMap, PeerReplicas, ranks_per_node
+from .retention import Retention, TieredRetention
 from .rng import RNGState
 
 STEP_NAME = re.compile(r"step-(\d+)")
@@ -59,23 +68,51 @@ def _is_stateful(value: Any) -> bool:
 class CheckpointManager:
     """Periodic checkpoints of a training job: retention, sync or async, one rank or many."""
 
-    def __init__(self, uri_or_repo: str | CheckpointStore, *, keep_last: int | None = None,
-                 keep_every: int | None = None, async_save: bool = False,
+    def __init__(self, uri_or_repo: str | Sequence[str] | CheckpointStore, *,
+                 keep_last: int | None | Sequence[int | None] = None,
+                 keep_every: int | None | Sequence[int | None] = None,
+                 every: int | Sequence[int] = 1, async_save: bool = False,
                  staging: str = "copy", max_host_bytes: int | None = None,
-                 **repo_options: Any) -> None:
+                 peer_replicas: int = 0, **repo_options: Any) -> None:
         check_staging(staging, max_host_bytes)
-        self.repo = (uri_or_repo if isinstance(uri_or_repo, CheckpointStore)
-                     else CheckpointStore(uri_or_repo, **repo_options))
+        if type(peer_replicas) is not int or peer_replicas < 0:
+            raise ValueError(f"peer_replicas must be a non-negative int, got {peer_replicas!r}")
+        self.distributed = cdist.is_distributed()
+        if peer_replicas and not self.distributed:
+            raise ValueError("peer_replicas needs torch.distributed with more than one rank")
+        self.rank = torch.distributed.get_rank() if self.distributed else 0
+        if isinstance(uri_or_repo, CheckpointStore):
+            self.repo = uri_or_repo
+        else:
+            uris = tier_config.tier_uris(uri_or_repo)
+            if any(tier_config.has_placeholders(u) for u in uris):
+                if self.distributed and not peer_replicas:
+                    raise ValueError("per-rank or per-node tiers ({rank}/{node}) need "
+                                     "peer_replicas >= 1: a collective checkpoint must be "
+                                     "whole on every tier")
+                per_node = ranks_per_node()
+                uris = [tier_config.expand(u, rank=self.rank, node=self.rank // per_node,
+                                           local_rank=self.rank % per_node) for u in uris]
+            self.repo = CheckpointStore(uris if len(uris) > 1 else uris[0], **repo_options)
         #: async saves only: "copy" stages the whole state at call time (extra host memory =
         #: the state's size); "overlap" copies it in the background within max_host_bytes
         self.staging = staging
         self.max_host_bytes = max_host_bytes
-        self.retention = Retention(keep_last, keep_every)
+        #: per-tier retention and intervals (one tier: just keep_last / keep_every)
+        self.tier_policy = TieredRetention.of(len(self.repo.tiers), keep_last, keep_every,
+                                              every)
+        self.retention = self.tier_policy.policies[0]
+        self._since: list[int] | None = None  # saves since each tier last received one
+        self._doomed: list[set[str]] = [set() for _ in self.repo.tiers]  # blobs to sweep
         self.async_save = async_save
-        self.distributed = cdist.is_distributed()
         self.group = cdist.checkpoint_group() if self.distributed else None
-        self.rank = torch.distributed.get_rank() if self.distributed else 0
         self._last: SaveHandle | None = None
+        #: peer mode: every rank saves its own checkpoint in its own tiers (training/peers.py)
+        self.peers: PeerReplicas | None = None
+        if peer_replicas:
+            self.peers = PeerReplicas(self.repo, self.group, PeerMap(
+                torch.distributed.get_world_size(), ranks_per_node(), peer_replicas))
+        self._peer_pending: tuple[str, SaveHandle | None] | None = None
 
     # ------------------------------------------------------------------ names
     @staticmethod
@@ -111,15 +148,19 @@ class CheckpointManager:
         meta = dict(metadata or {})
         meta.update(step=step, world_size=torch.distributed.get_world_size()
                     if self.distributed else 1)
-        collective = cdist.CollectiveCommitter(self.group, self._retain) if self.distributed \
-            else None
+        self._flush_peers()
+        collective = cdist.CollectiveCommitter(self.group, self._retain) if (
+            self.distributed and self.peers is None) else None
         committer: Committer = collective or _RetainingCommitter(self._retain)
         name = self.name_of(step)
+        tiers = self._due_tiers()
+        if self.peers is not None:
+            return self._save_with_peers(name, state, meta, committer, tiers)
         try:
             plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
             if self.async_save and self.staging == "overlap":
                 handle = self.repo.save_async(name, plain, meta, committer=committer,
-                                              staging="overlap",
+                                              staging="overlap", tiers=tiers,
                                               max_host_bytes=self.max_host_bytes,
                                               copy_keys=_unguarded_keys(state, plain))
                 for v in state.values():
@@ -129,37 +170,120 @@ class CheckpointManager:
                 return handle
             if self.async_save:
                 self._last = self.repo.save_async(name, plain, meta, committer=committer,
-                                                  staging="copy")
+                                                  staging="copy", tiers=tiers)
                 return self._last
-            return self.repo.save(name, plain, meta, committer=committer)
+            return self.repo.save(name, plain, meta, committer=committer, tiers=tiers)
         except Exception as exc:
             if collective is not None and not collective.joined:
                 # fail on every rank now instead of leaving them waiting in the collective
                 cdist.report_failure(self.group, f"rank {self.rank}: {type(exc).__name__}: {exc}")
             raise
 
-    def _retain(self, info: SaveInfo) -> None:
-        saved = STEP_NAME.fullmatch(info.name)
-        drop = self.retention.to_delete(self.steps(), int(saved.group(1)) if saved else None)
-        if not drop:
-            return
-        doomed: set[str] = set()
-        for step in drop:
-            name = self.name_of(step)
-            try:
-                doomed |= self.repo.manifest(name).blob_digests()
-                self.repo.delete(name)
-            except FileNotFoundError:
-                continue
-        # The sweep deletes at once (no grace period), so it must not run while another
-        # process saves into this store: skip it then; a later `ckpt gc` collects the blobs.
-        # (Runs after this save's own lease is released: see CheckpointStore._write.)
+    def _save_with_peers(self, name: str, state: Mapping[str, Any], meta: dict[str, Any],
+                         committer: Committer, tiers: list[int]) -> SaveInfo | SaveHandle:
+        """Peer mode: this rank's own checkpoint in its own tiers; the copy to its peers is
+        sent now (sync) or at the next save / wait / restore / close (async), collectively."""
         try:
-            with leases.gc_lease(self.repo.store, wait=0):
-                still_used = self.repo.referenced_blobs()
-                for blob in doomed - still_used:
-                    self.repo.store.delete(blob_key(blob))
-                self.repo.store.sync()
+            plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+            if self.async_save:
+                handle = self.repo.save_async(name, plain, meta, committer=committer,
+                                              staging="copy", tiers=tiers)
+                self._last = handle
+                self._peer_pending = (name, handle)
+                return handle
+            info = self.repo.save(name, plain, meta, committer=committer, tiers=tiers)
+        except Exception:
+            self._peer_pending = (name, None)
+            self._flush_peers(ok=False)
+            raise
+        self._peer_pending = (name, None)
+        self._flush_peers()
+        return info
+
+    def _flush_peers(self, ok: bool = True) -> None:
+        """Peer mode: send the last saved checkpoint to the peers (collective; every rank
+        calls it at the same point), then drop the copies the tier-0 policy no longer keeps.
+        An async save's error is raised after the exchange (the others must not wait)."""
+        if self.peers is None or self._peer_pending is None:
+            return
+        name, handle = self._peer_pending
+        self._peer_pending = None
+        error: BaseException | None = None
+        if handle is not None:
+            try:
+                handle.wait()
+            except BaseException as exc:
+                error, ok = exc, False
+        self.peers.replicate(name, ok)
+        policy = self.tier_policy.policies[0]
+        for sender in self.peers.map.held_by(self.rank):
+            copy = self.peers.copies_of(sender)
+            steps = [int(m.group(1)) for n in copy.history() if (m := STEP_NAME.fullmatch(n))]
+            drop = set(Retention(policy.keep_last, policy.keep_every).to_delete(steps))
+            self.peers.prune_copies(sender, {self.name_of(s) for s in steps if s not in drop})
+        if error is not None:
+            raise error
+
+    def _due_tiers(self) -> list[int]:
+        """The tiers this save goes to (`every`); counts kept in memory, rebuilt from the
+        tiers' listings on the first save (a restarted job resumes the count)."""
+        n = len(self.repo.tiers)
+        if n == 1:
+            return [0]
+        if self._since is None:
+            history = self.repo.history()
+            self._since = [0]
+            for tier in self.repo.tiers[1:]:
+                held = set(tier.names())
+                last = max((i for i, name in enumerate(history) if name in held), default=-1)
+                self._since.append(len(history) - 1 - last if last >= 0 else 1 << 30)
+        due = self.tier_policy.due(self._since)
+        self._since = [0 if i in due else c + 1 for i, c in enumerate(self._since)]
+        return due
+
+    def _retain(self, info: SaveInfo | None) -> None:
+        """Apply every tier's retention (after a commit, and from `wait()`)."""
+        saved_match = STEP_NAME.fullmatch(info.name) if info is not None else None
+        saved = int(saved_match.group(1)) if saved_match else None
+        history = self.steps()
+        tiers = self.repo.tiers
+        if len(tiers) == 1:
+            holdings = [set(history)]
+            waiting: set[int] = set()
+        else:
+            holdings = [{int(m.group(1)) for name in t.names()
+                         if (m := STEP_NAME.fullmatch(name))} for t in tiers]
+            waiting = {int(m.group(1)) for r in pending.read_records(tiers[0].store)
+                       if (m := STEP_NAME.fullmatch(r.name))}
+        for i, tier in enumerate(tiers):
+            for step in self.tier_policy.to_delete(i, holdings, history, saved, waiting):
+                name = self.name_of(step)
+                try:
+                    self._doomed[i] |= tier.manifest(name).blob_digests()
+                    if len(tiers) == 1:
+                        self.repo.delete(name)
+                    else:
+                        self.repo.delete(name, tier=i)
+                    holdings[i].discard(step)
+                except FileNotFoundError:
+                    continue
+            if self._doomed[i]:
+                self._sweep(i)
+
+    def _sweep(self, i: int) -> None:
+        """Delete the blobs of tier i's dropped checkpoints that no checkpoint there still
+        references. The sweep deletes at once (no grace period), so it must not run while
+        another party saves or replicates into that tier: it is skipped then and tried again
+        at the next retention (a `ckpt gc` also collects them). Runs after this save's own
+        lease is released: see CheckpointStore._write."""
+        tier = self.repo.tiers[i]
+        try:
+            with leases.gc_lease(tier.store, wait=0):
+                still_used = tier.referenced_blobs()
+                for blob in self._doomed[i] - still_used:
+                    tier.store.delete(blob_key(blob))
+                tier.store.sync()
+                self._doomed[i] = set()
         except leases.LeaseBusyError:
             pass
 
@@ -170,8 +294,16 @@ class CheckpointManager:
 
         The latest is the newest whole checkpoint in commit order. On one process, if it turns
         out damaged while loading (a missing or corrupt blob), a warning names it and the one
-        before it is loaded instead (every tensor of `state` is then overwritten again)."""
-        self.wait()
+        before it is loaded instead (every tensor of `state` is then overwritten again).
+        Tiered: waits for this manager's save in flight, not for replication (a restore after
+        a crash must not wait for the far tier); chunks come from the nearest good copy."""
+        if self.peers is not None:
+            self._flush_peers()
+            return self._restore_with_peers(state, step)
+        last, self._last = self._last, None
+        self.repo.wait()
+        if last is not None:
+            last.wait()
         chosen = step is None
         if step is None:
             step = self.latest_step()
@@ -191,6 +323,31 @@ class CheckpointManager:
                               f"{older}", RuntimeWarning, stacklevel=2)
                 step = older
         return None
+
+    def _restore_with_peers(self, state: Mapping[str, Any], step: int | None) -> int | None:
+        """Peer mode: the newest step every rank can obtain (its tiers or a peer's copy);
+        ranks whose tier 0 lacks it get it from a peer, then every rank loads its own."""
+        assert self.peers is not None and self.group is not None
+        self.repo.wait()
+        mine = {"own": self.steps(), "held": {
+            s: [int(m.group(1)) for n in names if (m := STEP_NAME.fullmatch(n))]
+            for s, names in self.peers.held_steps().items()}}
+        views = cdist.all_gather_json(mine, self.group)
+        world = len(views)
+        available = [set(v["own"]) for v in views]
+        for v in views:
+            for sender, steps in v["held"].items():
+                available[int(sender)] |= set(steps)
+        common = set.intersection(*available) if world else set()
+        if step is None:
+            step = max(common) if common else None
+        elif step not in common:
+            raise KeyMismatchError(f"step {step} cannot be restored on every rank")
+        if step is None:
+            return None
+        self.peers.fetch(self.name_of(step))
+        self._load_into(state, step)
+        return step
 
     def _load_into(self, state: Mapping[str, Any], step: int) -> None:
         into: dict[str, Any] = {}
@@ -214,15 +371,25 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> SaveInfo | None:
-        """Wait for the save in flight; raises its error. Returns its SaveInfo if any."""
+        """Wait for the save in flight (raises its error; returns its SaveInfo if any). A
+        tiered repository: then wait for replication (raises a ReplicationError) and apply
+        retention on every tier once more (the checkpoints just replicated count)."""
         last, self._last = self._last, None
         self.repo.wait()
-        return last.wait() if last is not None else None
+        info = last.wait() if last is not None else None
+        self._flush_peers()
+        if len(self.repo.tiers) > 1:
+            self.repo.wait_replicated()
+            if self.rank == 0 or self.peers is not None:
+                self._retain(None)
+        return info
 
     def close(self) -> None:
         try:
             self.wait()
         finally:
+            if self.peers is not None:
+                self.peers.close()
             self.repo.close()
             if self.group is not None:
                 torch.distributed.destroy_process_group(self.group)

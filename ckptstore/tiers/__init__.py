@@ -1,0 +1,14 @@
+"""Tiered repositories: one checkpoint store over several locations, nearest first.
+
+Sits between maintenance/ and repository.py: these modules take stores and manifests, never
+a CheckpointStore (the facade composes them).
+
+    config.py       the tier list: URIs, per-tier options, {rank}/{node} placeholders
+    pending.py      tier-0 records of checkpoints still to replicate (found again on reopen)
+    replication.py  copy one checkpoint to the next tier (verified, create-only) and the
+                    background Replicator with its retries
+
+Restores from the nearest good copy use the reader's fallback sources
+(pipeline/reader.py); the facade repairs the nearer tiers (CheckpointStore._repair). Peer
+replicas over torch.distributed are training/peers.py.
+"""

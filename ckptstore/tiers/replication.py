@@ -1,0 +1,362 @@
+"""Replication: copying a committed checkpoint to a later tier, and the background worker.
+
+Contract of `replicate_checkpoint(name, sources, dst)`, the one step (idempotent, resumable):
+
+1. Take a save lease on `dst` (a gc there waits; maintenance/leases.py). The sources take
+   none: retention never deletes a checkpoint from tier 0 while its pending record exists,
+   so its blobs stay referenced there (a lease would make every retention sweep on tier 0
+   skip while replication runs).
+2. If `dst` holds the manifest already: identical bytes -> done (nothing sent); other bytes
+   -> CheckpointExistsError (never overwritten).
+3. Blobs `dst` lacks are found (those of the parent's manifest on `dst` are known present,
+   the rest are asked with `exists`), read from the nearest source holding a good copy,
+   re-hashed and compared with their names (IntegrityError when no source has one), written.
+   If a gc may have swept `dst` meanwhile (its sweep marker changed), the blobs assumed
+   present are asked again and any gone are sent too, as a save confirms what it reuses.
+4. `dst.sync()`: every blob durable; then the source manifest's exact bytes are created
+   create-only. A far tier never lists a checkpoint whose chunks it lacks, at any instant.
+
+`Replicator` runs those steps on one background thread, in submission order, retrying
+transient store errors (StoreError/OSError other than integrity and conflicts) with
+exponential backoff; a checkpoint whose replication gives up keeps its pending record on
+tier 0 (so a reopen tries again) and its error is raised by `wait()`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..concurrency import completed
+from ..errors import (
+    CheckpointExistsError,
+    CkptStoreError,
+    FormatError,
+    IntegrityError,
+    InvalidNameError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+)
+from ..format.hashing import HashAlgorithm
+from ..format.manifest import Manifest
+from ..format.manifest_parse import parse_manifest
+from ..layout import blob_key, manifest_key
+from ..maintenance import leases
+from ..pipeline.budget import ByteBudget
+from ..stores.base import Store
+from . import pending
+
+MiB = 1 << 20
+log = logging.getLogger("ckptstore")
+Progress = Callable[[int], None]
+
+
+class ReplicationError(CkptStoreError):
+    """A checkpoint could not be replicated to a tier (after retries); its copy on the nearer
+    tiers is intact and its pending record stays, so reopening the store tries again."""
+
+    def __init__(self, name: str, target: str, cause: BaseException, attempts: int) -> None:
+        super().__init__(f"replication of checkpoint {name!r} to {target} gave up after "
+                         f"{attempts} attempt(s): {type(cause).__name__}: {cause}")
+        self.name = name
+        self.target = target
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class ReplicationResult:
+    """One checkpoint copied (or found) on one tier. Byte counts are stored bytes."""
+
+    name: str
+    target: str
+    blobs_needed: int
+    blobs_sent: int
+    bytes_sent: int
+    already_there: bool
+    seconds: float
+
+
+#: errors that retrying cannot fix: bad data, a conflicting name, a bad name
+PERMANENT = (IntegrityError, CheckpointExistsError, FormatError, InvalidNameError)
+
+
+def read_manifest(sources: Sequence[Store], name: str, algorithm: HashAlgorithm
+                  ) -> tuple[bytes, Manifest] | None:
+    """The exact bytes and parse of `name`'s manifest from the nearest source holding a
+    readable one, or None if none holds it."""
+    for store in sources:
+        try:
+            raw = store.get(manifest_key(name))
+            return raw, parse_manifest(raw, name, algorithm)
+        except ObjectNotFoundError:
+            continue
+        except FormatError as exc:
+            log.warning("manifest of %r in %s is unreadable (%s); trying the next tier",
+                        name, store.uri, exc)
+    return None
+
+
+def fetch_verified(blob: str, sources: Sequence[Store], algorithm: HashAlgorithm) -> bytes:
+    """The bytes of `blob` from the nearest source whose copy matches its digest."""
+    problems = []
+    for store in sources:
+        try:
+            data = store.get(blob_key(blob))
+        except ObjectNotFoundError:
+            problems.append(f"missing from {store.uri}")
+            continue
+        if algorithm.digest(data) == blob:
+            return data
+        problems.append(f"corrupt in {store.uri}")
+    raise IntegrityError(f"blob {blob} has no good copy: {'; '.join(problems)}")
+
+
+def _blob_sizes(manifest: Manifest) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for t in manifest.tensors:
+        for c in t.chunks:
+            sizes[c.blob] = max(sizes.get(c.blob, 0), c.offset + c.size)
+    return sizes
+
+
+def replicate_checkpoint(name: str, sources: Sequence[Store], dst: Store,
+                         algorithm: HashAlgorithm, *, workers: int = 8,
+                         max_inflight_bytes: int = 256 * MiB,
+                         progress: Progress | None = None,
+                         on_total: Progress | None = None) -> ReplicationResult | None:
+    """Copy checkpoint `name` from the nearest of `sources` that holds it to `dst` (module
+    contract). Returns None when no source holds the checkpoint any more (deleted)."""
+    t0 = time.perf_counter()
+    found = read_manifest(sources, name, algorithm)
+    if found is None:
+        return None
+    raw, manifest = found
+    with leases.save_lease(dst) as lease:
+        try:
+            existing: bytes | None = dst.get(manifest_key(name))
+        except ObjectNotFoundError:
+            existing = None
+        sizes = _blob_sizes(manifest)
+        if existing is not None:
+            if existing != raw:
+                raise CheckpointExistsError(f"checkpoint {name!r} exists in {dst.uri} with "
+                                            "other content; it was not touched")
+            return ReplicationResult(name, dst.uri, len(sizes), 0, 0, True,
+                                     time.perf_counter() - t0)
+        known: set[str] = set()
+        if manifest.parent is not None:  # a committed manifest's blobs are all there
+            parent = read_manifest([dst], manifest.parent, algorithm)
+            if parent is not None:
+                known = parent[1].blob_digests()
+        ask = sorted(b for b in sizes if b not in known)
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-repl") as pool:
+            present = dict(zip(ask, pool.map(lambda b: dst.exists(blob_key(b)), ask)))
+            missing = [b for b in ask if not present[b]]
+            if on_total is not None:
+                on_total(sum(sizes[b] for b in missing))
+            budget = ByteBudget(max_inflight_bytes)
+
+            def send(blob: str) -> int:
+                with budget.hold(sizes[blob]):
+                    data = fetch_verified(blob, sources, algorithm)
+                    dst.put(blob_key(blob), data)
+                if progress is not None:
+                    progress(len(data))
+                return len(data)
+
+            sent = sum(f.result() for f in completed(pool.submit(send, b) for b in missing))
+            if lease.sweep_may_have_run():  # belt and braces, as a save does (leases.py)
+                assumed = sorted(set(sizes) - set(missing))
+                gone = [b for b, ok in zip(assumed, pool.map(
+                    lambda b: dst.exists(blob_key(b)), assumed)) if not ok]
+                sent += sum(f.result() for f in completed(pool.submit(send, b) for b in gone))
+                missing += gone
+        dst.sync()  # every blob durable before the manifest exists
+        lease.check()
+        try:
+            dst.create(manifest_key(name), raw)
+        except ObjectExistsError:
+            raise CheckpointExistsError(f"checkpoint {name!r} appeared in {dst.uri} with other "
+                                        "content during replication; it was not touched"
+                                        ) from None
+    return ReplicationResult(name, dst.uri, len(sizes), len(missing), sent, False,
+                             time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Whole-step retries of a replication (each request is already retried by the store)."""
+
+    attempts: int = 6
+    first_delay: float = 0.5
+    max_delay: float = 30.0
+
+
+class Replicator:
+    """Background replication of checkpoints from tier 0 to later tiers (module docstring).
+
+    `submit(name, targets)` queues a checkpoint (targets: indexes of later tiers); `wait()`
+    blocks until the queue is empty and raises the first error not yet raised; `close()`
+    stops the thread (after the queue drains with `wait=True`). Thread-safe."""
+
+    def __init__(self, stores: Sequence[Store], algorithm: HashAlgorithm, *,
+                 retry: RetryPolicy | None = None, workers: int = 8,
+                 max_inflight_bytes: int = 256 * MiB) -> None:
+        if len(stores) < 2:
+            raise ValueError("replication needs at least two tiers")
+        self.stores = list(stores)
+        self.algorithm = algorithm
+        self.retry = retry or RetryPolicy()
+        self.workers = workers
+        self.max_inflight_bytes = max_inflight_bytes
+        self.results: list[ReplicationResult] = []
+        self._queue: list[tuple[str, tuple[int, ...]]] = []
+        self._active: str | None = None
+        self._errors: list[ReplicationError] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ queue
+    def submit(self, name: str, targets: Sequence[int]) -> None:
+        todo = tuple(sorted({t for t in targets if 0 < t < len(self.stores)}))
+        if not todo:
+            return
+        with self._cond:
+            if self._closed:
+                raise CkptStoreError("the replicator is closed")
+            if (name, todo) not in self._queue:
+                self._queue.append((name, todo))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="ckpt-replicate")
+                self._thread.start()
+            self._cond.notify_all()
+
+    def resume(self) -> list[str]:
+        """Queue every checkpoint with a pending record on tier 0 (after a crash or a
+        failed replication). Drops records of saves that never committed anywhere (older
+        than pending.ORPHAN_AGE). Returns the names queued."""
+        queued: list[str] = []
+        records = pending.read_records(self.stores[0])
+        if not records:
+            return queued
+        now = leases.store_clock(self.stores[0])
+        for rec in records:
+            on_any = any(s.exists(manifest_key(rec.name)) for s in self.stores)
+            if not on_any:
+                if now - rec.mtime > pending.ORPHAN_AGE:
+                    pending.clear_record(self.stores[0], rec.name)
+                continue
+            self.submit(rec.name, rec.tiers)
+            queued.append(rec.name)
+        return queued
+
+    def cancel(self, name: str) -> None:
+        """Drop `name` from the queue and wait until a step replicating it has ended (so a
+        deletion is not undone by a replication that read the manifest before)."""
+        with self._cond:
+            self._queue = [(n, t) for n, t in self._queue if n != name]
+            while self._active == name:
+                self._cond.wait()
+
+    def pending(self) -> list[str]:
+        """Names queued or being replicated, in order."""
+        with self._cond:
+            active = [self._active] if self._active is not None else []
+            return active + [n for n, _t in self._queue if n not in active]
+
+    def is_pending(self, name: str) -> bool:
+        return name in self.pending()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until nothing is queued or running; raise the first ReplicationError not
+        raised before (TimeoutError if `timeout` runs out first)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._active is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"replication still running after {timeout}s: "
+                                       f"{self.pending()}")
+                self._cond.wait(left)
+            if self._errors:
+                first, self._errors = self._errors[0], []
+                raise first
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker. With `wait`, first let it finish the queue (errors are then
+        raised as by `wait()`); without, queued work is left to the next open (its pending
+        records stay on tier 0) and a step in progress is abandoned at its next check."""
+        try:
+            if wait:
+                self.wait()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._queue.clear()
+                self._cond.notify_all()
+                thread = self._thread
+            if thread is not None and wait:
+                thread.join()
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                name, targets = self._queue.pop(0)
+                self._active = name
+            try:
+                self._replicate_all(name, targets)
+            finally:
+                with self._cond:
+                    self._active = None
+                    self._cond.notify_all()
+
+    def _replicate_all(self, name: str, targets: tuple[int, ...]) -> None:
+        for t in targets:
+            try:
+                result = self._with_retries(name, t)
+            except ReplicationError as exc:
+                log.error("%s", exc)
+                with self._cond:
+                    self._errors.append(exc)
+                return  # later tiers are fed from nearer ones: stop here, record stays
+            if result is None:
+                break  # deleted meanwhile
+            with self._cond:
+                self.results.append(result)
+        try:
+            pending.clear_record(self.stores[0], name)
+        except CkptStoreError as exc:  # a stale record only costs a no-op replication later
+            log.warning("could not clear the pending record of %r: %s", name, exc)
+
+    def _with_retries(self, name: str, target: int) -> ReplicationResult | None:
+        policy = self.retry
+        delay = policy.first_delay
+        dst = self.stores[target]
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                return replicate_checkpoint(name, self.stores[:target], dst, self.algorithm,
+                                            workers=self.workers,
+                                            max_inflight_bytes=self.max_inflight_bytes)
+            except PERMANENT as exc:
+                raise ReplicationError(name, dst.uri, exc, attempt) from exc
+            except (OSError, CkptStoreError) as exc:
+                if attempt == policy.attempts:
+                    raise ReplicationError(name, dst.uri, exc, attempt) from exc
+                log.warning("replication of %r to %s failed (%s: %s); retrying in %.1fs",
+                            name, dst.uri, type(exc).__name__, exc, delay)
+                with self._cond:
+                    if self._cond.wait_for(lambda: self._closed, delay):
+                        raise ReplicationError(name, dst.uri, exc, attempt) from exc
+                delay = min(delay * 2, policy.max_delay)
+        raise AssertionError("unreachable")

@@ -1,0 +1,317 @@
+"""Peer replicas: each rank's tier-0 checkpoint also held on the tier 0 of ranks on other
+nodes, sent over the checkpoint process group (gloo; JSON headers and uint8 tensors, no
+pickle), and fetched back from them when a rank lost its folder (docs/recovery.md).
+
+In peer mode every rank has its own tiered repository (`{rank}`/`{node}` in the tier URIs)
+and saves its own state as an ordinary checkpoint there. Rank r's copies go to the ranks
+`(r + k * ranks_per_node) % world`, k = 1..replicas, which keep them in a nested ordinary
+repository `<their tier 0>/peers/rank-<r>` (content addressed: what they hold already is not
+sent). Every function here is collective: all ranks call it, in the same order.
+
+Exchange (`replicate`) of checkpoint `name`:
+  1. all-gather {ok, manifest, blobs: {digest: size}} (a rank whose save failed sends ok=false:
+     nobody sends or waits for its part);
+  2. each receiver all-gathers the digests it lacks per sender;
+  3. every missing blob travels as one uint8 tensor (isend / irecv pairs in a fixed order);
+  4. the receiver re-hashes each blob against its name (IntegrityError otherwise: nothing
+     committed), writes it, syncs, then creates the sender's manifest create-only.
+
+Restore (`fetch`): a rank whose tier 0 lacks the chosen checkpoint gets manifest and the blobs
+its tier 0 lacks from the first live holder of its copy, verifies them, writes them to its tier
+0 (which makes the checkpoint whole there again), and then loads locally; the far tier is read
+only for chunks no peer provided (the nearest-copy reader's fallback).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CkptStoreError, IntegrityError
+from ..format.manifest_parse import parse_manifest
+from ..layout import blob_key, manifest_key
+from ..repository import CheckpointStore
+from ..stores.base import Store
+from .distributed import all_gather_json
+
+#: blob bytes moved per round of point-to-point transfers (memory bound of an exchange)
+ROUND_BYTES = 256 << 20
+
+
+def ranks_per_node() -> int:
+    """Ranks sharing a node: $LOCAL_WORLD_SIZE (torchrun sets it), else 1 (tests: one folder
+    per rank stands for one node)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+@dataclass(frozen=True)
+class PeerMap:
+    """Who holds whose copies."""
+
+    world: int
+    per_node: int
+    replicas: int
+
+    def __post_init__(self) -> None:
+        nodes = self.world // self.per_node
+        if self.replicas < 1 or nodes < self.replicas + 1:
+            raise ValueError(f"peer_replicas={self.replicas} needs at least "
+                             f"{self.replicas + 1} nodes; this job has {nodes} "
+                             f"({self.world} ranks, {self.per_node} per node)")
+
+    def holders(self, rank: int) -> list[int]:
+        """The ranks holding copies of `rank`'s checkpoints, first choice first."""
+        return [(rank + k * self.per_node) % self.world for k in range(1, self.replicas + 1)]
+
+    def held_by(self, rank: int) -> list[int]:
+        """The ranks whose copies `rank` holds."""
+        return [r for r in range(self.world) if rank in self.holders(r)]
+
+
+class PeerReplicas:
+    """The peer side of one rank's CheckpointManager (module docstring)."""
+
+    def __init__(self, repo: CheckpointStore, group: Any, peers: PeerMap) -> None:
+        self.repo = repo
+        self.group = group
+        self.map = peers
+        self.rank = dist.get_rank()
+        root = repo.tiers[0].store
+        self._copies: dict[int, CheckpointStore] = {}
+        for sender in peers.held_by(self.rank):
+            self._copies[sender] = CheckpointStore(_nested(root, f"peers/rank-{sender}"),
+                                                   hash=repo.hash.name)
+
+    def copies_of(self, sender: int) -> CheckpointStore:
+        return self._copies[sender]
+
+    def close(self) -> None:
+        for copy in self._copies.values():
+            copy.close()
+
+    # ------------------------------------------------------------------ save side
+    def replicate(self, name: str, ok: bool) -> int:
+        """Send this rank's checkpoint `name` to its holders and store the copies this rank
+        holds (collective). `ok`: this rank's save committed. Returns bytes received."""
+        header: dict[str, Any] = {"ok": False}
+        if ok:
+            near = self.repo.tiers[0]
+            raw = near.store.get(manifest_key(name))
+            manifest = near.manifest(name)
+            header = {"ok": True, "manifest": raw.decode(),
+                      "blobs": _sizes(near.store, manifest)}
+        headers = all_gather_json(header, self.group)
+        wants: dict[str, list[str]] = {}
+        for sender, copy in self._copies.items():
+            h = headers[sender]
+            if h["ok"] and not copy.exists(name):
+                wants[str(sender)] = _missing(copy.store, sorted(h["blobs"]))
+        all_wants = all_gather_json(wants, self.group)
+        received = self._transfer(headers, all_wants,
+                                  lambda sender: self._copies[sender].store)
+        for sender, copy in self._copies.items():
+            h = headers[sender]
+            if h["ok"] and str(sender) in wants:
+                copy.store.sync()
+                copy.store.create(manifest_key(name), h["manifest"].encode())
+        return received
+
+    def prune_copies(self, sender: int, keep: set[str]) -> None:
+        """Drop the copies held for `sender` not in `keep` (names) and sweep their blobs."""
+        copy = self._copies[sender]
+        dropped = [n for n in copy.names() if n not in keep]
+        if dropped:
+            doomed: set[str] = set()
+            for n in dropped:
+                try:
+                    doomed |= copy.manifest(n).blob_digests()
+                    copy.delete(n)
+                except FileNotFoundError:
+                    continue
+            still = copy.referenced_blobs()
+            for blob in doomed - still:
+                copy.store.delete(blob_key(blob))
+            copy.store.sync()
+
+    # ------------------------------------------------------------------ restore side
+    def held_steps(self) -> dict[str, list[str]]:
+        """{sender rank: names of the copies this rank holds for it}."""
+        return {str(s): sorted(c.names()) for s, c in self._copies.items()}
+
+    def fetch(self, name: str) -> int:
+        """Collective: every rank whose tier 0 lacks `name` gets it from the first holder of
+        its copy that has it (verified, written to its tier 0). Returns bytes received."""
+        near = self.repo.tiers[0]
+        need = not near.exists(name)
+        held = {s: c.exists(name) for s, c in self._copies.items()}
+        status = all_gather_json({"need": need, "held": {str(s): v for s, v in held.items()}},
+                                 self.group)
+        source = {}
+        for r, st in enumerate(status):
+            if st["need"]:
+                for h in self.map.holders(r):
+                    if status[h]["held"].get(str(r)):
+                        source[r] = h
+                        break
+        offer: dict[str, Any] = {}
+        for r, h in source.items():
+            if h == self.rank:
+                copy = self._copies[r]
+                raw = copy.store.get(manifest_key(name))
+                offer[str(r)] = {"manifest": raw.decode(),
+                                 "blobs": _sizes(copy.store, copy.manifest(name))}
+        offers = all_gather_json(offer, self.group)
+        wants: dict[str, list[str]] = {}
+        mine = offers[source[self.rank]].get(str(self.rank)) if self.rank in source else None
+        bad: CkptStoreError | None = None
+        if mine is not None:
+            try:
+                parse_manifest(mine["manifest"].encode(), name, self.repo.hash)
+                wants[str(source[self.rank])] = _missing(near.store, sorted(mine["blobs"]))
+            except CkptStoreError as exc:  # raised after the collectives: nobody waits
+                bad, mine = exc, None
+        all_wants = all_gather_json(wants, self.group)
+        received = self._transfer_fetch(offers, all_wants)
+        if bad is not None:
+            raise bad
+        if mine is not None:
+            near.store.sync()
+            near.store.create(manifest_key(name), mine["manifest"].encode())
+        return received
+
+    # ------------------------------------------------------------------ transfers
+    def _transfer(self, headers: list[dict[str, Any]], all_wants: list[dict[str, list[str]]],
+                  dest_of: Any) -> int:
+        """Senders send each receiver the blobs it asked for; receivers verify and write."""
+        plan = []  # (sender, receiver, digest, size)
+        for receiver, wants in enumerate(all_wants):
+            for sender_s, digests in wants.items():
+                sender = int(sender_s)
+                for d in digests:
+                    plan.append((sender, receiver, d, int(headers[sender]["blobs"][d])))
+        return self._run_plan(plan, lambda s, r, d: self.repo.tiers[0].store,
+                              lambda s, r, d: dest_of(s))
+
+    def _transfer_fetch(self, offers: list[dict[str, Any]],
+                        all_wants: list[dict[str, list[str]]]) -> int:
+        plan = []
+        for receiver, wants in enumerate(all_wants):
+            for holder_s, digests in wants.items():
+                holder = int(holder_s)
+                sizes = offers[holder][str(receiver)]["blobs"]
+                for d in digests:
+                    plan.append((holder, receiver, d, int(sizes[d])))
+        return self._run_plan(plan, lambda s, r, d: self._copies[r].store,
+                              lambda s, r, d: self.repo.tiers[0].store)
+
+    def _run_plan(self, plan: list[tuple[int, int, str, int]], src_of: Any, dst_of: Any
+                  ) -> int:
+        """Run the blob moves of `plan` in rounds of at most ROUND_BYTES (the same rounds on
+        every rank: the plan is global), two rounds in flight: round k+1 is read and posted
+        before round k is awaited, and round k is verified and written while k+1 travels.
+        Memory: about two rounds. Errors are raised once every posted transfer ended."""
+        rounds: list[list[tuple[int, int, str, int]]] = []
+        start, total = 0, 0
+        for i, move in enumerate(plan):
+            total += move[3]
+            if total >= ROUND_BYTES or i == len(plan) - 1:
+                rounds.append(plan[start : i + 1])
+                start, total = i + 1, 0
+        received = 0
+        previous: _Round | None = None
+        error: BaseException | None = None
+        with cf.ThreadPoolExecutor(8, thread_name_prefix="ckpt-peer") as pool:
+            for moves in rounds + [[]]:
+                current = self._post(moves, src_of, dst_of) if moves else None
+                if previous is not None:
+                    previous.wait()
+                    try:
+                        if error is None:
+                            received += sum(pool.map(self._store_one, previous.inbound))
+                    except BaseException as exc:  # keep draining: the others are posted
+                        error = exc
+                previous = current
+        if error is not None:
+            raise error
+        return received
+
+    def _post(self, plan: list[tuple[int, int, str, int]], src_of: Any, dst_of: Any
+              ) -> _Round:
+        """Post the sends (read straight into their tensors) and receives of this rank."""
+        ops: list[Any] = []
+        inbound: list[tuple[torch.Tensor, str, Store]] = []
+        outbound: list[torch.Tensor] = []
+        reads: list[tuple[Store, str, torch.Tensor]] = []
+        for sender, receiver, digest, size in plan:
+            if sender == self.rank and receiver != self.rank:
+                t = torch.empty(size, dtype=torch.uint8)
+                if size:
+                    reads.append((src_of(sender, receiver, digest), digest, t))
+                outbound.append(t)
+                ops.append(dist.P2POp(dist.isend, t, receiver, self.group))
+            elif receiver == self.rank and sender != self.rank:
+                buf = torch.empty(size, dtype=torch.uint8)
+                inbound.append((buf, digest, dst_of(sender, receiver, digest)))
+                ops.append(dist.P2POp(dist.irecv, buf, sender, self.group))
+        if reads:  # straight into the send tensors, in parallel
+            with cf.ThreadPoolExecutor(8, thread_name_prefix="ckpt-peer-read") as pool:
+                list(pool.map(lambda r: r[0].read_into(blob_key(r[1]), 0, r[2].numpy().data),
+                              reads))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return _Round(works, inbound, outbound)
+
+    def _store_one(self, item: tuple[torch.Tensor, str, Store]) -> int:
+        buf, digest, store = item
+        data = buf.numpy().data
+        if self.repo.hash.digest(data) != digest:
+            raise IntegrityError(f"blob {digest} received from a peer is corrupt; its copy "
+                                 "was not committed")
+        store.put(blob_key(digest), data)
+        return len(data)
+
+
+@dataclass
+class _Round:
+    """Posted transfers of one round; `outbound` keeps the send tensors alive."""
+
+    works: list[Any]
+    inbound: list[tuple[torch.Tensor, str, Store]]
+    outbound: list[torch.Tensor]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _sizes(store: Store, manifest: Any) -> dict[str, int]:
+    """{blob: its size in `store`} for every blob the manifest references (the stored size:
+    a pack may be longer than the members this manifest uses)."""
+    blobs = sorted(manifest.blob_digests())
+    with cf.ThreadPoolExecutor(8) as pool:
+        sizes = list(pool.map(lambda b: store.stat(blob_key(b)).size, blobs))
+    return dict(zip(blobs, sizes))
+
+
+def _missing(store: Store, digests: list[str]) -> list[str]:
+    with cf.ThreadPoolExecutor(8) as pool:
+        present = list(pool.map(lambda d: store.exists(blob_key(d)), digests))
+    return [d for d, ok in zip(digests, present) if not ok]
+
+
+def _nested(store: Store, prefix: str) -> Store:
+    """A store for the folder `prefix` under a local tier 0 (peer copies live with the node
+    and are lost with it)."""
+    from ..stores.local import LocalStore
+
+    if not isinstance(store, LocalStore):
+        raise CkptStoreError(f"peer replicas need a local folder as tier 0, not {store.uri}")
+    return LocalStore(store.root / prefix)
+

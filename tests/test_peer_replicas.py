@@ -1,0 +1,100 @@
+"""Peer replicas on real gloo process groups (spawned CPU processes, one folder per rank
+standing for one node each) with moto S3 as the far tier: a rank that lost its folder gets
+its checkpoint back from its peer, bit-exact, without reading a blob from the far tier."""
+
+from __future__ import annotations
+
+import shutil
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.reliability.s3chaos import ChaosServer, moto_app
+
+
+def truth(rank: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return {"w": torch.randn(256, 512, generator=g), "b": torch.randn(64, generator=g)}
+
+
+def worker(rank: int, world: int, init: str, root: str, far: str, endpoint: str,
+           phase: str, out: str) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
+                                world_size=world)
+        import ckptstore
+
+        tiers = [f"{root}/node{{rank}}", f"{far}/{{rank}}"]
+        mgr = ckptstore.CheckpointManager(tiers, peer_replicas=1, keep_last=[2, 5],
+                                          every=[1, 2], endpoint_url=endpoint)
+        if phase == "save":
+            for step in (1, 2, 3):
+                mgr.save(step, {"model": truth(rank, step)})
+        else:
+            dest = {"model": {k: torch.zeros_like(v) for k, v in truth(rank, 0).items()}}
+            assert mgr.restore(dest) == 3
+            want = truth(rank, 3)
+            for k, v in want.items():
+                assert torch.equal(dest["model"][k], v), k
+            assert mgr.repo.last_load is not None
+            served = mgr.repo.last_load.bytes_by_tier
+            assert served[mgr.repo.tiers[1].uri] == 0, served  # nothing read from S3
+        mgr.close()
+        Path(out, f"{phase}-{rank}").write_text("ok")
+    except BaseException:
+        Path(out, f"{phase}-{rank}").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(world: int, tmp: Path, far: str, endpoint: str, phase: str) -> None:
+    out = tmp / f"out-{phase}"
+    out.mkdir()
+    try:
+        mp.start_processes(worker, args=(world, str(tmp / f"pg-{phase}"), str(tmp / "nodes"),
+                                         far, endpoint, phase, str(out)),
+                           nprocs=world, join=True, start_method="spawn")
+    finally:
+        for rank in range(world):
+            f = out / f"{phase}-{rank}"
+            if f.exists() and f.read_text() != "ok":
+                pytest.fail(f"rank {rank} failed in {phase}:\n{f.read_text()}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lost_rank_folder_restores_from_peer_not_far(tmp_path: Path, s3_uri: str,
+                                                     world: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    server = ChaosServer(moto_app())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one folder per rank stands for a node
+    try:
+        run(world, tmp_path, s3_uri, server.endpoint, "save")
+        lost = world - 1
+        peer_copy = tmp_path / "nodes" / "node0" / "peers" / f"rank-{lost}"
+        assert sorted(p.name for p in (peer_copy / "checkpoints").iterdir()) == [
+            "step-2.json", "step-3.json"]  # the peer keeps what tier 0's keep_last keeps
+        shutil.rmtree(tmp_path / "nodes" / f"node{lost}")  # the node is gone
+        server.plan.reset()
+        run(world, tmp_path, s3_uri, server.endpoint, "restore")
+        blob_gets = [r for r in server.plan.requests("GET") if "/blobs/" in r["path"]]
+        assert blob_gets == []  # the far tier served no chunk: the peer did
+        restored = tmp_path / "nodes" / f"node{lost}" / "checkpoints" / "step-3.json"
+        assert restored.exists()  # tier 0 of the lost rank is whole again
+    finally:
+        server.close()
+
+
+def test_peer_replicas_need_distributed(tmp_path: Path) -> None:
+    import ckptstore
+
+    with pytest.raises(ValueError, match="torch.distributed"):
+        ckptstore.CheckpointManager(str(tmp_path), peer_replicas=1)
+    with pytest.raises(ValueError, match="peer_replicas"):
+        ckptstore.CheckpointManager(str(tmp_path), peer_replicas=-1)
