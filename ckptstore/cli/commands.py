@@ -275,6 +275,7 @@ def cmd_du(args: argparse.Namespace, out: Output) -> int:
             sizes[info.key.rsplit("/", 1)[-1]] = info.size
         manifest_bytes = sum(i.size for i in repo.store.list(MANIFEST_PREFIX))
         use = inspection.usage(manifests, sizes)
+        live = inspection.live_bytes(manifests)
         rows: list[dict[str, Any]] = [{"name": u.name, "logical_bytes": u.logical_bytes,
                  "referenced_bytes": u.referenced_bytes, "unique_bytes": u.unique_bytes,
                  "blobs": u.blobs, "unique_blobs": u.unique_blobs} for u in use.checkpoints]
@@ -284,7 +285,7 @@ def cmd_du(args: argparse.Namespace, out: Output) -> int:
             "dedup_ratio": finite(use.dedup_ratio), "blob_bytes": use.blob_bytes,
             "blobs": use.blobs, "unreferenced_blobs": use.unreferenced_blobs,
             "unreferenced_bytes": use.unreferenced_bytes, "manifest_bytes": manifest_bytes,
-            "missing_blobs": len(use.missing_blobs),
+            "missing_blobs": len(use.missing_blobs), "live_bytes": live,
         }
         doc = {"uri": repo.uri, "checkpoints": rows, "totals": totals,
                "missing_blobs": list(use.missing_blobs), "errors": errors}
@@ -300,6 +301,10 @@ def cmd_du(args: argparse.Namespace, out: Output) -> int:
                           f"checkpoint(s); stored {human_bytes(use.referenced_bytes)} in "
                           f"{use.referenced_blobs} referenced blob(s); dedup ratio "
                           + (f"{ratio:.2f}x" if ratio is not None else "-"))
+            dead = use.referenced_bytes - live
+            line(console, f"live {human_bytes(live)}: the chunks the checkpoints reference; "
+                          f"their blobs hold {human_bytes(use.referenced_bytes)}"
+                          + (f" ({human_bytes(dead)} only in partly dead packs)" if dead else ""))
             line(console, f"blobs/ holds {human_bytes(use.blob_bytes)} in {use.blobs} blob(s); "
                           f"unreferenced {human_bytes(use.unreferenced_bytes)} in "
                           f"{use.unreferenced_blobs} (gc frees them after the grace period); "
