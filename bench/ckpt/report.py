@@ -91,6 +91,12 @@ def derive(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if s3inc:
             d["s3_inc_written_fraction"] = max(v["written_fraction"] for v in s3inc.values())
             d["s3_inc_time_fraction"] = max(v["time_vs_full_save"] for v in s3inc.values())
+        swr, swc = r.get("s3_raw_seaweedfs"), r.get("ckptstore_s3_seaweedfs")
+        d["sw_raw_put_gbps"] = _get(swr, "put_best", "gbps")
+        d["sw_raw_get_gbps"] = _get(swr, "get_best", "gbps")
+        d["sw_ckpt_save_gbps"] = _get(swc, "save", "gbps")
+        d["sw_ckpt_load_new_gbps"] = _get(swc, "load_new", "gbps")
+        d["sw_ckpt_load_into_gbps"] = _get(swc, "load_into", "gbps")
         out[st] = d
     return out
 
@@ -207,6 +213,18 @@ TARGETS: list[Target] = [
     (
         "S3 restore into= / raw boto3 get",
         lambda d, s: _ratio(d["s3_ckpt_load_into_gbps"], d["s3_raw_get_gbps"]),
+        lambda s: 0.8,
+        ">=",
+    ),
+    (
+        "SeaweedFS save / raw boto3 put",
+        lambda d, s: _ratio(d["sw_ckpt_save_gbps"], d["sw_raw_put_gbps"]),
+        lambda s: 0.8,
+        ">=",
+    ),
+    (
+        "SeaweedFS restore new / raw boto3 get",
+        lambda d, s: _ratio(d["sw_ckpt_load_new_gbps"], d["sw_raw_get_gbps"]),
         lambda s: 0.8,
         ">=",
     ),
@@ -334,6 +352,13 @@ SUMMARY_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
         "S3 ckptstore incremental: written / time",
         ("s3_inc_written_fraction", "s3_inc_time_fraction"),
         _pct,
+    ),
+    ("SeaweedFS raw boto3 put / get (GB/s)", ("sw_raw_put_gbps", "sw_raw_get_gbps"), _gb),
+    ("SeaweedFS ckptstore save (GB/s)", "sw_ckpt_save_gbps", _gb),
+    (
+        "SeaweedFS ckptstore restore new / into= (GB/s)",
+        ("sw_ckpt_load_new_gbps", "sw_ckpt_load_into_gbps"),
+        _gb,
     ),
 ]
 
