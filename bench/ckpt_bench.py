@@ -91,6 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tmp", default="", help="scratch folder on the disk under test (default /tmp)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per contestant process")
+    p.add_argument("--charts", default="",
+                   help="folder for the PNG charts (default: beside --out; needs the bench "
+                        "extra, matplotlib); 'none' to skip")
+    p.add_argument("--charts-from", default="", metavar="JSON",
+                   help="only redraw the charts of an earlier run's --out file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -227,6 +232,17 @@ def run_job(
     return out
 
 
+def _charts_dir(args: argparse.Namespace, out: str) -> str:
+    return args.charts or str(Path(out).parent)
+
+
+def _chart_note(doc: dict[str, Any]) -> str:
+    m = doc.get("machine", {})
+    load = m.get("loadavg_start") or [None]
+    return (f"{m.get('cpus')} CPUs, load average {load[0]:.1f} at start (shared machine); "
+            f"git {m.get('git')}; {doc.get('command', '')}")[:160]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -235,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         worker.main(args.worker)
         return 0
     from ckpt import report
+
+    if args.charts_from:
+        doc = json.loads(Path(args.charts_from).read_text())
+        for path in report.write_charts(doc["derived"], _charts_dir(args, args.charts_from),
+                                        _chart_note(doc)):
+            print(path)
+        return 0
     from ckpt.common import MiB, drop_caches
     from ckpt.s3server import MotoServer
     from rich.console import Console
@@ -338,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).with_suffix(".partial.json").unlink(missing_ok=True)
     report.print_tables(derived, targets)
     report.print_extras(results)
+    if args.charts != "none":
+        for path in report.write_charts(derived, _charts_dir(args, args.out), _chart_note(doc)):
+            console.print(f"chart {path}")
     md = out.with_suffix(".md")
     md.write_text(
         report.markdown_tables(derived, targets) + "\n\n" + report.markdown_extras(results) + "\n"
