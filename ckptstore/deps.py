@@ -20,6 +20,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "boto3": ("s3", "s3:// URIs"),
     "botocore": ("s3", "s3:// URIs"),
     "lightning": ("lightning", "the Lightning plugin"),
+    "ray": ("ray", "dataloader.RayDatasink"),
     "matplotlib": ("bench", "benchmark charts"),
 }
 
