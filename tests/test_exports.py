@@ -125,9 +125,11 @@ def test_single_file_when_out_ends_in_safetensors(repo: CheckpointStore, tmp_pat
     assert not small.exists()
 
 
-def test_zarr_export_opens_without_ckptstore(repo: CheckpointStore, tmp_path: Path) -> None:
+def test_zarr_export_opens_without_ckptstore(repo: CheckpointStore, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "ckpt.zarr"
     assert main(["--json", "export", str(tmp_path / "repo"), "s1", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == ["blob"]
     code = f"""
 import json, sys, zarr, numpy as np
 assert not any(m.startswith("ckptstore") for m in sys.modules)
@@ -156,6 +158,7 @@ print(json.dumps(res))
     attrs = res["__attrs__"]["ckptstore"]
     assert attrs["checkpoint"] == "s1" and attrs["metadata"] == {"step": 7}
     assert attrs["values"]["step"] == 7 and attrs["values"]["note"] == "hello"
+    assert "blob" not in res and "blob" not in attrs["values"]  # bytes: left out, reported
 
 
 def test_export_of_a_checkpoint_saved_on_two_ranks(tmp_path: Path) -> None:

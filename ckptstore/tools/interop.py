@@ -1,7 +1,9 @@
 """Export checkpoints to, and import them from, other PyTorch formats. Imports torch (and
 safetensors) lazily: only these code paths of the CLI pay for it.
 
-Export (whole checkpoint, or the keys chosen, is loaded into memory first):
+Export (OUT is checked first; see also `exports` for Hugging Face-style sharded safetensors
+and zarr v3 groups, which read one shard or one block of rows at a time). The single-file
+formats load the whole checkpoint, or the keys chosen, into memory:
 * `.safetensors`: a flat map of dotted key -> tensor. numpy arrays become tensors; plain values
   (ints, strings, ...) and `bytes` cannot be stored and are reported as skipped; a tensor that
   shares memory with an earlier one (tied weights) is written as its own copy. The file's
@@ -210,14 +212,17 @@ def export_checkpoint(repo: CheckpointStore, name: str, out: str | os.PathLike[s
         report.seconds = time.perf_counter() - t0
         return report
     if fmt == "zarr":
-        report.skipped = [k for k in skipped if not _json_value(manifest, k)]
-        _export_zarr(repo, manifest, Path(out), keys, overwrite)
+        values = _plain_values(manifest)
+        report.skipped = [k for k in skipped if k not in values]
+        _export_zarr(repo, manifest, Path(out), [k for k, _n in tensors],
+                     {k: v for k, v in values.items() if k in skipped}, overwrite)
         report.seconds = time.perf_counter() - t0
         return report
     torch = require("torch")
     state = repo.load(manifest.name, keys=keys)
     report.tensors = 0
     report.bytes = 0
+
     def convert(obj: Any, path: tuple[Any, ...]) -> Any:
         key = ".".join(str(p) for p in path)
         if isinstance(obj, OrderedDict):
@@ -265,11 +270,6 @@ def _load_flat(repo: CheckpointStore, manifest: Manifest,
     return [(k, v) for k, v in zip(ordered, values) if k in chosen]
 
 
-def _json_value(manifest: Manifest, key: str) -> bool:
-    """Whether the plain value at `key` can go into zarr's JSON attributes."""
-    return key in _plain_values(manifest)
-
-
 def _plain_values(manifest: Manifest) -> dict[str, Any]:
     """key -> value of the checkpoint's plain values that JSON carries (bytes are left out)."""
     out: dict[str, Any] = {}
@@ -281,25 +281,22 @@ def _plain_values(manifest: Manifest) -> dict[str, Any]:
     return out
 
 
-def _export_zarr(repo: CheckpointStore, manifest: Manifest, out: Path,
-                 keys: list[str] | None, overwrite: bool) -> None:
+def _export_zarr(repo: CheckpointStore, manifest: Manifest, out: Path, tensor_keys: list[str],
+                 values: dict[str, Any], overwrite: bool) -> None:
+    """The arrays `tensor_keys` of the checkpoint's zarr view, copied into a new zarr group at
+    OUT, with the plain `values` in its attributes."""
     import zarr
 
     from .zarr_view import node_name, zarr_store
 
     view = zarr.open_group(store=zarr_store(repo, manifest.name), mode="r")
-    values = _plain_values(manifest)
-    if keys is not None:
-        wanted = {node_name(k) for k in keys}
-        values = {k: v for k, v in values.items() if k in set(keys)}
-    else:
-        wanted = None
+    wanted = {node_name(k) for k in tensor_keys}
 
-    class _Chosen:  # the view's arrays, restricted to the chosen keys
+    class _Chosen:  # the view's arrays, restricted to the chosen tensors
         @staticmethod
         def arrays() -> Iterator[tuple[str, Any]]:
             for name, arr in view.arrays():
-                if wanted is None or name in wanted:
+                if name in wanted:
                     yield name, arr
 
     attrs = {"checkpoint": manifest.name, "metadata": manifest.metadata}
