@@ -238,9 +238,9 @@ def _charts_dir(args: argparse.Namespace, out: str) -> str:
 
 def _chart_note(doc: dict[str, Any]) -> str:
     m = doc.get("machine", {})
-    load = m.get("loadavg_start") or [None]
+    load = m.get("loadavg_start") or [float("nan")]
     return (f"{m.get('cpus')} CPUs, load average {load[0]:.1f} at start (shared machine); "
-            f"git {m.get('git')}; {doc.get('command', '')}")[:160]
+            f"git {m.get('git')}; one run: compare bars within it")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ retention stays within a fixed factor of its live size."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from ckptstore import CheckpointStore
+from ckptstore.cli import main
 from ckptstore.layout import BLOB_PREFIX
 from ckptstore.maintenance.checks import MIN_BLOB_AGE, TEMP_MIN_AGE
 from ckptstore.pipeline import writer
@@ -45,7 +47,8 @@ def long_run(root: Path, saves: int) -> tuple[int, int, CheckpointStore]:
     return stored, live, repo
 
 
-def test_long_run_with_retention_stays_within_a_fixed_factor_of_live(tmp_path: Path) -> None:
+def test_long_run_with_retention_stays_within_a_fixed_factor_of_live(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     stored, live, repo = long_run(tmp_path / "repo", 40)
     assert repo.history() == ["s037", "s038", "s039"]
     for name in repo.names():  # every kept checkpoint whole and right
@@ -54,6 +57,9 @@ def test_long_run_with_retention_stays_within_a_fixed_factor_of_live(tmp_path: P
         got = repo.load(name)
         assert all(np.array_equal(got[k], v) for k, v in state(step).items())
     assert stored <= 2 * live, (stored, live)
+    assert main(["--json", "du", str(tmp_path / "repo")]) == 0
+    totals = json.loads(capsys.readouterr().out)["totals"]
+    assert (totals["live_bytes"], totals["blob_bytes"]) == (live, stored)
 
 
 def test_without_reclaim_old_packs_pile_up(tmp_path: Path,

@@ -511,14 +511,14 @@ def write_charts(derived: dict[str, dict[str, Any]], folder: str, note: str = ""
     def any_value(series: dict[str, list[float | None]]) -> bool:
         return any(v is not None for vs in series.values() for v in vs)
 
-    save = {"disk limit: raw write+fsync": col("raw_write_gbps"),
+    save = {"disk: raw parallel write+fsync": col("raw_write_gbps"),
             "torch.save": col("torch_save_gbps"), "safetensors": col("safetensors_save_gbps"),
             "DCP": col("dcp_save_gbps"), "ckptstore": col("ckpt_save_gbps")}
     if any_value(save):
         written.append(str(bar_chart(f"{folder}/ckpt-save.png", "Save throughput (fsynced)",
                                      states, save, unit="GB/s", note=note)))
     mode = "cold" if any(derived[s].get("raw_read_cold_gbps") for s in states) else "warm"
-    load = {f"disk limit: raw read ({mode})": col(f"raw_read_{mode}_gbps"),
+    load = {f"disk: raw parallel read ({mode})": col(f"raw_read_{mode}_gbps"),
             "torch.load": col(f"torch_load_{mode}_gbps"),
             "safetensors": col(f"safetensors_load_{mode}_gbps"),
             "DCP": col(f"dcp_load_{mode}_gbps"),
