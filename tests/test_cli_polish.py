@@ -86,12 +86,13 @@ def test_export_checks_the_destination_before_reading(capsys: pytest.CaptureFixt
 
 
 def test_cp_progress_ends_exactly_at_its_total(tmp_path: Path) -> None:
-    # b shares one small tensor with a's pack: copying b alone sends the whole pack, while
-    # b references only part of it
+    # b reuses five of the six members of a's pack (enough for the pack to stay live, not the
+    # last one): copying b alone sends the whole pack, while b references only part of it
     src = CheckpointStore(tmp_path / "src")
     small = {f"t{i}": np.full(7, i, dtype=np.float32) for i in range(6)}
     src.save("a", small)
-    src.save("b", {"t0": small["t0"], "big": np.ones((300, 300), dtype=np.float32)})
+    src.save("b", {**{f"t{i}": small[f"t{i}"] for i in range(5)},
+                   "big": np.ones((300, 300), dtype=np.float32)})
     dst = CheckpointStore(tmp_path / "dst")
     totals: list[int] = []
     steps: list[int] = []
