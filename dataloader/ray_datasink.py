@@ -20,8 +20,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-from ray.data import Datasink
-from ray.data.block import BlockAccessor
+
+from ckptstore.deps import missing
+
+try:
+    from ray.data import Datasink
+    from ray.data.block import BlockAccessor
+except ModuleNotFoundError as _exc:  # ray is the `ray` extra
+    raise missing(_exc) from None
 
 from ckptstore.errors import ObjectExistsError
 from ckptstore.stores import open_store

@@ -810,6 +810,9 @@ CONTESTANTS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "ckptstore_mem_load_into": ckptstore_mem_load_into,
     "s3_raw": s3_raw,
     "ckptstore_s3": ckptstore_s3,
+    # the same two on SeaweedFS, a real object store (the endpoint comes in ctx.opts)
+    "s3_raw_seaweedfs": s3_raw,
+    "ckptstore_s3_seaweedfs": ckptstore_s3,
     "ckptstore_codecs": ckptstore_codecs,
     "ckptstore_sweep": ckptstore_sweep,
 }

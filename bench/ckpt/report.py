@@ -91,6 +91,12 @@ def derive(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if s3inc:
             d["s3_inc_written_fraction"] = max(v["written_fraction"] for v in s3inc.values())
             d["s3_inc_time_fraction"] = max(v["time_vs_full_save"] for v in s3inc.values())
+        swr, swc = r.get("s3_raw_seaweedfs"), r.get("ckptstore_s3_seaweedfs")
+        d["sw_raw_put_gbps"] = _get(swr, "put_best", "gbps")
+        d["sw_raw_get_gbps"] = _get(swr, "get_best", "gbps")
+        d["sw_ckpt_save_gbps"] = _get(swc, "save", "gbps")
+        d["sw_ckpt_load_new_gbps"] = _get(swc, "load_new", "gbps")
+        d["sw_ckpt_load_into_gbps"] = _get(swc, "load_into", "gbps")
         out[st] = d
     return out
 
@@ -207,6 +213,18 @@ TARGETS: list[Target] = [
     (
         "S3 restore into= / raw boto3 get",
         lambda d, s: _ratio(d["s3_ckpt_load_into_gbps"], d["s3_raw_get_gbps"]),
+        lambda s: 0.8,
+        ">=",
+    ),
+    (
+        "SeaweedFS save / raw boto3 put",
+        lambda d, s: _ratio(d["sw_ckpt_save_gbps"], d["sw_raw_put_gbps"]),
+        lambda s: 0.8,
+        ">=",
+    ),
+    (
+        "SeaweedFS restore new / raw boto3 get",
+        lambda d, s: _ratio(d["sw_ckpt_load_new_gbps"], d["sw_raw_get_gbps"]),
         lambda s: 0.8,
         ">=",
     ),
@@ -334,6 +352,13 @@ SUMMARY_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
         "S3 ckptstore incremental: written / time",
         ("s3_inc_written_fraction", "s3_inc_time_fraction"),
         _pct,
+    ),
+    ("SeaweedFS raw boto3 put / get (GB/s)", ("sw_raw_put_gbps", "sw_raw_get_gbps"), _gb),
+    ("SeaweedFS ckptstore save (GB/s)", "sw_ckpt_save_gbps", _gb),
+    (
+        "SeaweedFS ckptstore restore new / into= (GB/s)",
+        ("sw_ckpt_load_new_gbps", "sw_ckpt_load_into_gbps"),
+        _gb,
     ),
 ]
 
@@ -467,3 +492,53 @@ def markdown_extras(results: dict[str, dict[str, Any]]) -> str:
         ]
         lines += ["| " + " | ".join(r) + " |" for r in sweep]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- charts
+def write_charts(derived: dict[str, dict[str, Any]], folder: str, note: str = "") -> list[str]:
+    """PNG charts of the headline numbers (bench/charts.py): save and restore throughput of
+    every contestant beside the disk's limit, per state, and S3 on moto and SeaweedFS beside
+    raw boto3 on the same server. Returns the files written (charts with no data are left
+    out)."""
+    from charts import bar_chart
+
+    states = [s for s in STATES if s in derived] + [s for s in derived if s not in STATES]
+    written: list[str] = []
+
+    def col(key: str) -> list[float | None]:
+        return [derived[s].get(key) for s in states]
+
+    def any_value(series: dict[str, list[float | None]]) -> bool:
+        return any(v is not None for vs in series.values() for v in vs)
+
+    save = {"disk: raw parallel write+fsync": col("raw_write_gbps"),
+            "torch.save": col("torch_save_gbps"), "safetensors": col("safetensors_save_gbps"),
+            "DCP": col("dcp_save_gbps"), "ckptstore": col("ckpt_save_gbps")}
+    if any_value(save):
+        written.append(str(bar_chart(f"{folder}/ckpt-save.png", "Save throughput (fsynced)",
+                                     states, save, unit="GB/s", note=note)))
+    mode = "cold" if any(derived[s].get("raw_read_cold_gbps") for s in states) else "warm"
+    load = {f"disk: raw parallel read ({mode})": col(f"raw_read_{mode}_gbps"),
+            "torch.load": col(f"torch_load_{mode}_gbps"),
+            "safetensors": col(f"safetensors_load_{mode}_gbps"),
+            "DCP": col(f"dcp_load_{mode}_gbps"),
+            "ckptstore (new tensors)": col(f"ckpt_load_new_{mode}_gbps"),
+            "ckptstore (into=)": col(f"ckpt_load_into_{mode}_gbps")}
+    if any_value(load):
+        written.append(str(bar_chart(f"{folder}/ckpt-restore.png",
+                                     f"Restore throughput ({mode} page cache)", states, load,
+                                     unit="GB/s", note=note)))
+    for st in states:
+        d = derived[st]
+        s3 = {"raw boto3 put": [d.get("s3_raw_put_gbps"), d.get("sw_raw_put_gbps")],
+              "ckptstore save": [d.get("s3_ckpt_save_gbps"), d.get("sw_ckpt_save_gbps")],
+              "raw boto3 get": [d.get("s3_raw_get_gbps"), d.get("sw_raw_get_gbps")],
+              "ckptstore restore (new)": [d.get("s3_ckpt_load_new_gbps"),
+                                          d.get("sw_ckpt_load_new_gbps")],
+              "ckptstore restore (into=)": [d.get("s3_ckpt_load_into_gbps"),
+                                            d.get("sw_ckpt_load_into_gbps")]}
+        if any_value(s3):
+            written.append(str(bar_chart(
+                f"{folder}/ckpt-s3-{st}.png", f"S3, {st} state: ckptstore beside raw boto3",
+                ["moto (mock)", "SeaweedFS (real store)"], s3, unit="GB/s", note=note)))
+    return written

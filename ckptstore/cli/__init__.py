@@ -23,7 +23,9 @@ URIs import boto3, when used.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -47,7 +49,20 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but an error is one line on stderr (no usage dump) and exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see '{self.prog} --help')")
+        raise UsageError(f"{message}{_did_you_mean(message)} (see '{self.prog} --help')")
+
+
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+
+
+def _did_you_mean(message: str) -> str:
+    """'; did you mean 'ls'?' for argparse's "invalid choice" of a near miss, else ''."""
+    found = _INVALID_CHOICE.search(message)
+    if found is None:
+        return ""
+    choices = re.findall(r"'([^']*)'", found.group(2))
+    close = difflib.get_close_matches(found.group(1), choices, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def _duration(text: str) -> float:
@@ -55,6 +70,15 @@ def _duration(text: str) -> float:
 
     try:
         return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size(text: str) -> int:
+    from ..tools.exports import parse_size
+
+    try:
+        return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -143,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("rm", "delete checkpoints (their blobs are freed by a later gc)")
     p.add_argument("uri", metavar="URI")
     p.add_argument("names", nargs="+", metavar="NAME")
+    p.add_argument("--dry-run", action="store_true",
+                   help="say which checkpoints would be deleted, delete nothing")
 
     p = add("cp", "copy checkpoints between stores, sending only missing blobs")
     p.add_argument("src", metavar="SRC_URI")
@@ -154,12 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--src-endpoint-url", metavar="URL",
                    help="endpoint of SRC when it differs from --endpoint-url")
 
-    p = add("export", "write a checkpoint to .safetensors or a weights-only torch file")
+    p = add("export", "write a checkpoint as safetensors (one file, or Hugging Face-style "
+                      "shards), a weights-only torch file, or a zarr v3 group")
     p.add_argument("uri", metavar="URI")
     p.add_argument("name", metavar="NAME")
     p.add_argument("out", metavar="OUT")
-    p.add_argument("--format", choices=("safetensors", "torch"),
-                   help="default: from OUT's suffix (.safetensors; .pt/.pth/.bin)")
+    p.add_argument("--format", choices=("safetensors", "torch", "zarr"),
+                   help="default: from OUT's suffix (.safetensors; .pt/.pth/.bin; .zarr); "
+                        "safetensors to an OUT not ending in .safetensors writes a folder of "
+                        "shards with model.safetensors.index.json")
+    p.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
+                   help="largest safetensors shard (default 5GB; GB = 10^9, GiB = 2^30)")
     p.add_argument("--keys", metavar="GLOB", action="append", help="only these keys")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
 

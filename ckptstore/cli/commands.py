@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import (
+    BucketNotFoundError,
     CheckpointNotFoundError,
     CkptStoreError,
     FormatError,
@@ -30,7 +31,7 @@ from ..repository import REPO_DEFAULT, CheckpointStore, Compression
 from ..stores import open_store
 from ..tools import inspection
 from .exits import EXIT_BUSY, EXIT_ERROR, EXIT_FOUND, EXIT_OK, UsageError, one_line
-from .output import Output, finite, human_bytes, iso_time, line, table
+from .output import Output, finite, human_bytes, human_duration, iso_time, line, table
 
 
 # --------------------------------------------------------------------------- plumbing
@@ -75,6 +76,9 @@ def open_repo(uri: str, args: argparse.Namespace, *, create: bool = False,
         opts["create"] = create
     try:
         store = open_store(uri, **opts)
+    except BucketNotFoundError as exc:
+        raise BucketNotFoundError(f"{exc}; create the bucket first (ckpt never creates "
+                                  "buckets)") from None
     except ObjectNotFoundError:
         path = uri[len("file://"):] if scheme == "file" else uri
         what = "not a folder" if os.path.exists(path) else "no such folder"
@@ -275,6 +279,7 @@ def cmd_du(args: argparse.Namespace, out: Output) -> int:
             sizes[info.key.rsplit("/", 1)[-1]] = info.size
         manifest_bytes = sum(i.size for i in repo.store.list(MANIFEST_PREFIX))
         use = inspection.usage(manifests, sizes)
+        live = inspection.live_bytes(manifests)
         rows: list[dict[str, Any]] = [{"name": u.name, "logical_bytes": u.logical_bytes,
                  "referenced_bytes": u.referenced_bytes, "unique_bytes": u.unique_bytes,
                  "blobs": u.blobs, "unique_blobs": u.unique_blobs} for u in use.checkpoints]
@@ -284,7 +289,7 @@ def cmd_du(args: argparse.Namespace, out: Output) -> int:
             "dedup_ratio": finite(use.dedup_ratio), "blob_bytes": use.blob_bytes,
             "blobs": use.blobs, "unreferenced_blobs": use.unreferenced_blobs,
             "unreferenced_bytes": use.unreferenced_bytes, "manifest_bytes": manifest_bytes,
-            "missing_blobs": len(use.missing_blobs),
+            "missing_blobs": len(use.missing_blobs), "live_bytes": live,
         }
         doc = {"uri": repo.uri, "checkpoints": rows, "totals": totals,
                "missing_blobs": list(use.missing_blobs), "errors": errors}
@@ -300,6 +305,10 @@ def cmd_du(args: argparse.Namespace, out: Output) -> int:
                           f"checkpoint(s); stored {human_bytes(use.referenced_bytes)} in "
                           f"{use.referenced_blobs} referenced blob(s); dedup ratio "
                           + (f"{ratio:.2f}x" if ratio is not None else "-"))
+            dead = use.referenced_bytes - live
+            line(console, f"live {human_bytes(live)}: the chunks the checkpoints reference; "
+                          f"their blobs hold {human_bytes(use.referenced_bytes)}"
+                          + (f" ({human_bytes(dead)} only in partly dead packs)" if dead else ""))
             line(console, f"blobs/ holds {human_bytes(use.blob_bytes)} in {use.blobs} blob(s); "
                           f"unreferenced {human_bytes(use.unreferenced_bytes)} in "
                           f"{use.unreferenced_blobs} (gc frees them after the grace period); "
@@ -355,7 +364,7 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
                                        "unreadable manifest(s)")
             line(console, f"verified {len(report.checkpoints)} checkpoint(s): "
                           f"{report.blobs_checked} blob(s), {human_bytes(report.bytes_checked)}"
-                          f"{sampled} in {report.seconds:.1f}s: {verdict}")
+                          f"{sampled} in {human_duration(report.seconds)}: {verdict}")
 
         out.emit(doc, render)
         if not ok and out.json_mode:
@@ -419,11 +428,16 @@ def cmd_rm(args: argparse.Namespace, out: Output) -> int:
                                               "deleted")
             if name not in targets:
                 targets.append(name)
-        for name in targets:
-            repo.delete(name)
-        doc = {"uri": repo.uri, "deleted": targets}
+        if not args.dry_run:
+            for name in targets:
+                repo.delete(name)
+        doc = {"uri": repo.uri, "dry_run": args.dry_run, "deleted": targets}
 
         def render(console: Any) -> None:
+            if args.dry_run:
+                line(console, f"would delete {len(targets)} checkpoint(s): "
+                              f"{', '.join(targets)}; nothing deleted (--dry-run)")
+                return
             line(console, f"deleted {len(targets)} checkpoint(s): {', '.join(targets)}; run "
                           "'ckpt gc' to free their blobs")
 
@@ -463,7 +477,8 @@ def cmd_cp(args: argparse.Namespace, out: Output) -> int:
                 done.append(f"already there (identical): {', '.join(report.skipped)}")
             line(console, f"{dst.uri}: {'; '.join(done)}; sent {report.blobs_sent} of "
                           f"{report.blobs_needed} blob(s), {human_bytes(report.bytes_sent)} in "
-                          f"{report.seconds:.1f}s ({report.blobs_present} already there)")
+                          f"{human_duration(report.seconds)} ({report.blobs_present} already "
+                          "there)")
             if verified is not None:
                 line(console, "destination verified: OK" if verified else
                      f"destination verify found {len(problems)} bad blob(s)")
@@ -474,8 +489,10 @@ def cmd_cp(args: argparse.Namespace, out: Output) -> int:
 
 # --------------------------------------------------------------------------- export / import
 def cmd_export(args: argparse.Namespace, out: Output) -> int:
-    from ..tools import interop
+    from ..tools import exports, interop
 
+    fmt = interop.export_format(args.out, args.format)  # fail before opening or loading
+    exports.check_target(args.out, args.force)
     with open_repo(args.uri, args) as repo:
         keys = None
         if args.keys:
@@ -485,18 +502,20 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
             if not keys:
                 raise CheckpointNotFoundError(
                     f"checkpoint {m.name!r} has no keys matching {', '.join(args.keys)}")
-        fmt = interop.export_format(args.out, args.format)  # fail before loading anything
         with out.progress(f"exporting to {redact_uri(args.out)}", unit="steps"):
             report = interop.export_checkpoint(repo, args.name, args.out, fmt=fmt, keys=keys,
-                                               overwrite=args.force)
+                                               overwrite=args.force,
+                                               max_shard_bytes=args.max_shard_size)
         doc = {"uri": repo.uri, "name": report.name, "out": redact_uri(report.out),
                "format": report.format, "tensors": report.tensors, "bytes": report.bytes,
-               "skipped": report.skipped, "converted": report.converted,
-               "seconds": round(report.seconds, 3)}
+               "files": report.files, "skipped": report.skipped,
+               "converted": report.converted, "seconds": round(report.seconds, 3)}
 
         def render(console: Any) -> None:
+            files = f" in {report.files} shard file(s) + index" if report.files > 1 else ""
             line(console, f"exported {report.name}: {report.tensors} tensor(s), "
-                          f"{human_bytes(report.bytes)} to {doc['out']} ({report.format})")
+                          f"{human_bytes(report.bytes)} to {doc['out']} ({report.format}{files}) "
+                          f"in {human_duration(report.seconds)}")
 
         out.emit(doc, render)
         if report.skipped:
@@ -539,7 +558,7 @@ def cmd_import(args: argparse.Namespace, out: Output) -> int:
             line(console, f"imported {doc['source']} ({report.format}) as {report.name}: "
                           f"{report.tensors} tensor(s), {human_bytes(report.logical_bytes)}; "
                           f"wrote {human_bytes(report.written_bytes)}, reused "
-                          f"{human_bytes(report.reused_bytes)} in {report.seconds:.1f}s")
+                          f"{human_bytes(report.reused_bytes)} in {human_duration(report.seconds)}")
 
         out.emit(doc, render)
         return EXIT_OK

@@ -29,6 +29,24 @@ def human_bytes(n: int | float | None) -> str:
     raise AssertionError
 
 
+def human_duration(seconds: float) -> str:
+    """A duration that never reads as zero when it was not: '<1 ms', '340 ms', '2.4 s',
+    '3m05s', '2h04m'."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    if seconds < 0.001:
+        return "<1 ms"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
 def iso_time(t: float) -> str:
     """UTC ISO 8601 with a Z, to the second."""
     return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")

@@ -6,9 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
+from ..deps import missing
 from ..errors import UnsupportedTypeError
+
+try:
+    import torch
+except ModuleNotFoundError as _exc:
+    raise missing(_exc) from None
 from . import dtypes
 from .leaf import ArrayLeaf
 from .manifest import TensorEntry

@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..concurrency import completed
-from ..errors import CheckpointExistsError, CkptStoreError, ObjectExistsError, UnsupportedTypeError
+from ..errors import (
+    CheckpointExistsError,
+    CkptStoreError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    UnsupportedTypeError,
+)
 from ..format.codecs import Codec
 from ..format.dtypes import DType
 from ..format.hashing import XXH3_128, HashAlgorithm
@@ -42,6 +48,9 @@ if TYPE_CHECKING:
     from .overlap import Overlap
 
 MiB = 1 << 20
+#: A save copies the small arrays it would reuse from a pack into its own new pack when they
+#: are less than this fraction of that pack's bytes (see CheckpointWriter._mostly_dead).
+RECLAIM_LIVE_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -203,6 +212,7 @@ class CheckpointWriter:
         self.stats = _Stats()
         self.budget = ByteBudget(options.max_inflight_bytes)
         self._claimed: set[str] = set()  # blobs written (or being written) by this save
+        self._pack_sizes: dict[str, int] = {}  # stored size of packs this save reuses from
         self.committed: bytes | None = None  # the manifest bytes, once committed
         self._claim_lock = threading.Lock()
         #: Commit order: the manifest's `created` is at least this (the newest checkpoint's
@@ -306,10 +316,28 @@ class CheckpointWriter:
             with overlap.writing:
                 return self._pack_of(staged, hold=False)
 
+    def _mostly_dead(self, blob: str, live: int) -> bool:
+        """Whether this save should copy its `live` bytes out of pack `blob` rather than
+        reference them: when they are under RECLAIM_LIVE_FRACTION of the pack, the rest of it
+        is kept only by older checkpoints, and once retention deletes those, gc can reclaim
+        the pack only if no new checkpoint points into it. The copy is bounded by the small
+        arrays of one pack group. A whole-blob chunk is never a pack. One stat per pack."""
+        with self._claim_lock:
+            size = self._pack_sizes.get(blob)
+        if size is None:
+            try:
+                size = self.store.stat(blob_key(blob)).size
+            except ObjectNotFoundError:
+                size = 0  # gone (gc'd since the parent was read): write the members again
+            with self._claim_lock:
+                self._pack_sizes[blob] = size
+        return size == 0 or live < size * RECLAIM_LIVE_FRACTION
+
     def _pack_of(self, members: list[tuple[int, ArrayLeaf]], hold: bool
                  ) -> dict[int, ChunkRef]:
         refs: dict[int, ChunkRef] = {}
         todo: list[tuple[int, memoryview, str]] = []
+        found: dict[str, list[tuple[int, memoryview, str, ChunkRef]]] = defaultdict(list)
         reused = 0
         t0 = time.perf_counter()
         for index, leaf in members:
@@ -317,10 +345,16 @@ class CheckpointWriter:
             d = self.options.hash.digest(raw)
             ref = self.known.find(d, len(raw), None)
             if ref is not None:
-                refs[index] = ref
-                reused += len(raw)
+                found[ref.blob].append((index, raw, d, ref))
             else:
                 todo.append((index, raw, d))
+        for blob, hits in found.items():
+            if self._mostly_dead(blob, sum(ref.size for *_x, ref in hits)):
+                todo.extend((index, raw, d) for index, raw, d, _ref in hits)  # bounded copy
+                continue
+            for index, raw, _d, ref in hits:
+                refs[index] = ref
+                reused += len(raw)
         self.stats.add("lookup", time.perf_counter() - t0)
         self.stats.count_many(reused=reused, chunks_reused=len(members) - len(todo))
         if not todo:

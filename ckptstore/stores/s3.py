@@ -43,27 +43,33 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-import boto3
-import botocore.loaders
-import botocore.session
-import urllib3.exceptions
-from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    ConnectionClosedError,
-    CredentialRetrievalError,
-    EndpointConnectionError,
-    FlexibleChecksumError,
-    IncompleteReadError,
-    NoCredentialsError,
-    PartialCredentialsError,
-    ReadTimeoutError,
-    ResponseStreamingError,
-)
-from botocore.exceptions import ConnectionError as BotoConnectionError
+from ..deps import missing
+
+try:
+    import boto3
+    import botocore.loaders
+    import botocore.session
+    import urllib3.exceptions
+    from botocore.config import Config
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectionClosedError,
+        CredentialRetrievalError,
+        EndpointConnectionError,
+        FlexibleChecksumError,
+        IncompleteReadError,
+        NoCredentialsError,
+        PartialCredentialsError,
+        ReadTimeoutError,
+        ResponseStreamingError,
+    )
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+except ModuleNotFoundError as _exc:  # boto3 is the `s3` extra
+    raise missing(_exc) from None
 
 from ..errors import (
+    BucketNotFoundError,
     InvalidNameError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -471,10 +477,8 @@ class S3Store(Store):
         except BotoCoreError as exc:
             raise self._error(exc, "open") from exc
         if not create:
-            raise StoreError(
-                f"open {self.uri}: bucket {self.bucket!r} does not exist at {self.endpoint} "
-                "(pass create=True to create it)"
-            )
+            raise BucketNotFoundError(
+                f"open {self.uri}: bucket {self.bucket!r} does not exist at {self.endpoint}")
         kwargs: dict[str, Any] = {}
         region = self._client.meta.region_name
         if region and region != "us-east-1":

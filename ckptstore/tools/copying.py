@@ -128,7 +128,7 @@ def copy_checkpoints(src: CheckpointStore, dst: CheckpointStore, names: Iterable
                                          "destination")
                 dst.store.put(blob_key(blob), data)
             if progress is not None:
-                progress(len(data))
+                progress(sizes[blob])  # the unit `on_total` counted: the bar ends at 100%
             return len(data)
 
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-cp") as pool:

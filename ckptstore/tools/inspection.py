@@ -136,6 +136,13 @@ def blob_extents(manifests: Iterable[Manifest]) -> dict[str, int]:
     return ext
 
 
+def live_bytes(manifests: Iterable[Manifest]) -> int:
+    """Stored bytes of the distinct chunks these manifests reference (a byte range of a pack
+    counts, not the whole pack): what the checkpoints need, against what their blobs hold."""
+    ranges = {(c.blob, c.offset, c.size) for m in manifests for t in m.tensors for c in t.chunks}
+    return sum(size for _blob, _offset, size in ranges)
+
+
 @dataclass(frozen=True)
 class CheckpointUsage:
     name: str

@@ -23,8 +23,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from ..deps import missing
+
+try:
+    import torch
+    import torch.distributed as dist
+except ModuleNotFoundError as _exc:
+    raise missing(_exc) from None
 
 from ..errors import CkptStoreError
 from ..format.canonical import canonical_json

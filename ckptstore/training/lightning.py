@@ -24,7 +24,12 @@ from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
 
-from lightning.pytorch.plugins.io import CheckpointIO
+from ..deps import missing
+
+try:
+    from lightning.pytorch.plugins.io import CheckpointIO
+except ModuleNotFoundError as _exc:
+    raise missing(_exc) from None
 
 from ..errors import CheckpointNotFoundError, UnsupportedTypeError
 from ..repository import CheckpointStore

@@ -38,7 +38,12 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
+from ..deps import missing
+
+try:
+    import torch
+except ModuleNotFoundError as _exc:
+    raise missing(_exc) from None
 
 from ..errors import CkptStoreError, FormatError, IntegrityError, KeyMismatchError
 from ..format.tree import flatten_arrays

@@ -202,14 +202,14 @@ def test_cli_convert_info_verify(tmp_path, capsys):
     assert json.loads(run.stdout)["num_samples"] == 30
 
 
-def test_s3_round_trip_and_resume(s3_uri, moto_endpoint):
+def test_s3_round_trip_and_resume(s3_any_uri, s3_endpoint):
     pytest.importorskip("ckptstore.stores.s3")
-    opts = {"endpoint_url": moto_endpoint}
+    opts = {"endpoint_url": s3_endpoint}
     samples = make_samples(300, seed=4)
     dataloader.write_dataset(
-        s3_uri, samples, rows_per_chunk=16, store_options=opts, schema={"image": "fixed"}
+        s3_any_uri, samples, rows_per_chunk=16, store_options=opts, schema={"image": "fixed"}
     )
-    ds = dataloader.StreamingDataset(s3_uri, shuffle=True, seed=1, store_options=opts)
+    ds = dataloader.StreamingDataset(s3_any_uri, shuffle=True, seed=1, store_options=opts)
     loader = dataloader.StreamingLoader(ds, batch_size=20, num_workers=4)
     full = []
     for b in loader:
@@ -219,30 +219,32 @@ def test_s3_round_trip_and_resume(s3_uri, moto_endpoint):
         full.extend(b["_index"].tolist())
     assert sorted(full) == list(range(300))
     l1 = dataloader.StreamingLoader(
-        dataloader.StreamingDataset(s3_uri, shuffle=True, seed=1, store_options=opts), batch_size=20
+        dataloader.StreamingDataset(s3_any_uri, shuffle=True, seed=1, store_options=opts),
+        batch_size=20,
     )
     it = iter(l1)
     head = [x for _ in range(4) for x in next(it)["_index"].tolist()]
     it.close()
     l2 = dataloader.StreamingLoader(
-        dataloader.StreamingDataset(s3_uri, shuffle=True, seed=1, store_options=opts), batch_size=20
+        dataloader.StreamingDataset(s3_any_uri, shuffle=True, seed=1, store_options=opts),
+        batch_size=20,
     )
     l2.load_state_dict(l1.state_dict())
     assert head + ids_of(l2) == full
 
 
-def test_s3_corrupt_and_missing(s3_uri, moto_endpoint):
+def test_s3_corrupt_and_missing(s3_any_uri, s3_endpoint):
     pytest.importorskip("ckptstore.stores.s3")
     import ckptstore
 
-    opts = {"endpoint_url": moto_endpoint}
-    dataloader.write_dataset(s3_uri, make_samples(100), rows_per_chunk=16, store_options=opts)
-    store = ckptstore.open_store(s3_uri, **opts)
+    opts = {"endpoint_url": s3_endpoint}
+    dataloader.write_dataset(s3_any_uri, make_samples(100), rows_per_chunk=16, store_options=opts)
+    store = ckptstore.open_store(s3_any_uri, **opts)
     data = bytearray(store.get("tokens/data/c/0"))
     data[3] ^= 0x55
     store.put("tokens/data/c/0", bytes(data))
     with pytest.raises(ckptstore.IntegrityError):
-        list(dataloader.StreamingDataset(s3_uri, store_options=opts))
+        list(dataloader.StreamingDataset(s3_any_uri, store_options=opts))
     store.delete("id/c/0")
     with pytest.raises(dataloader.MissingShardError):
-        list(dataloader.StreamingDataset(s3_uri, store_options=opts))
+        list(dataloader.StreamingDataset(s3_any_uri, store_options=opts))

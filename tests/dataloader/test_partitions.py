@@ -227,12 +227,13 @@ def test_write_dataset_workers_same_bytes(tmp_path: Path, samples: list[dict]) -
         dataloader.write_dataset(_uri(), bad, workers=2, **opts)
 
 
-def test_write_dataset_workers_on_s3(s3_uri: str, moto_endpoint: str, samples: list[dict]) -> None:
-    so = {"endpoint_url": moto_endpoint}
-    idx = dataloader.write_dataset(s3_uri, samples, workers=2, store_options=so,
+def test_write_dataset_workers_on_s3(s3_any_uri: str, s3_endpoint: str,
+                                     samples: list[dict]) -> None:
+    so = {"endpoint_url": s3_endpoint}
+    idx = dataloader.write_dataset(s3_any_uri, samples, workers=2, store_options=so,
                                    partition_rows=64, **OPTS)
     assert len(idx.partitions) == 3
-    _same(_read_all(s3_uri, store_options=so), samples)
+    _same(_read_all(s3_any_uri, store_options=so), samples)
 
 
 def _mp_task(args: tuple[str, str, int, int, int]) -> None:

