@@ -160,3 +160,121 @@ def load_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- DTensor resharding
+# Each tensor: (shape, dtype, placements on the 2x2 save mesh). Placement codes: "S<d>" is
+# Shard(d), "R" is Replicate().
+DT_SPECS: dict[str, tuple[tuple[int, ...], str, list[str]]] = {
+    "a": ((16, 12), "float32", ["S0", "S1"]),
+    "b": ((7, 5), "float64", ["S0", "S1"]),  # uneven on both dims
+    "c": ((10, 6), "bfloat16", ["S1", "S0"]),
+    "d": ((9, 8), "uint8", ["S0", "S0"]),  # two mesh dims shard dim 0
+    "f": ((7, 4), "float32", ["S0", "S0"]),  # 7 rows on 4 ranks: 2, 2, 2, 1
+    "r": ((300, 20), "float32", ["R", "R"]),  # replicated: chunks balanced over ranks
+    "h": ((6, 40), "float32", ["R", "S1"]),  # replicated over mesh dim 0
+}
+# how the 2-rank and 3-rank jobs ask for them back (1-D meshes)
+DT_LOAD = {2: {"a": ["S1"], "b": ["S1"], "c": ["S0"], "d": ["S1"], "f": ["S0"], "r": ["R"],
+               "h": ["S0"]},
+           3: {"a": ["S0"], "b": ["S0"], "c": ["S1"], "d": ["R"], "f": ["S1"], "r": ["S0"],
+               "h": ["S1"]}}
+# saved by the 2-rank job with a 1-D mesh and Shard(1), read back by 3 ranks as Shard(2)/R
+DT_3D = {"x": ((5, 6, 9), "float32", ["S1"], ["S2"]), "y": ((4, 7, 3), "float64", ["S1"], ["R"])}
+
+
+def dt_truth(name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    if dtype == "uint8":
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(getattr(torch, dtype))
+
+
+def _placements(codes: list[str]) -> list:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    return [Replicate() if c == "R" else DShard(int(c[1:])) for c in codes]
+
+
+def _dt(full: torch.Tensor, mesh, codes: list[str]):
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, mesh, _placements(codes))
+
+
+def _load_measured(root: str, name: str, into) -> tuple[int, int]:
+    """Load `name` into `into` (in place); (bytes read, bytes the local parts hold)."""
+    import ckptstore
+    from ckptstore.pipeline.loading import load_state
+    from ckptstore.pipeline.reader import CheckpointReader
+
+    repo = ckptstore.CheckpointStore(root, create=False)
+    reader = CheckpointReader(repo.store, repo.load_options)
+    load_state(reader, repo.manifest(name), into=into)
+    needed = sum(v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
+                 for v in into.values())
+    repo.close()
+    return reader.bytes_read, needed
+
+
+def dtensor_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
+                   mode: str) -> None:
+    """mode "save4": 2x2 mesh saves DT_SPECS. "load2": 1-D mesh of 2 reads them back with
+    DT_LOAD[2] and saves DT_3D with Shard(1). "load3": reads both back on a mesh of 3.
+    Writes a JSON line of bytes read/needed per rank to out_dir."""
+    import json
+
+    try:
+        _init(rank, world, init_file)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import ckptstore
+
+        report: dict = {}
+        if mode == "save4":
+            mesh = init_device_mesh("cpu", (2, 2))
+            state = {k: _dt(dt_truth(k, s, d), mesh, p) for k, (s, d, p) in DT_SPECS.items()}
+            state["step"] = torch.tensor(5)
+            mgr = ckptstore.CheckpointManager(root, chunk_bytes=4096)
+            mgr.save(1, state)
+            from torch.distributed.tensor import DTensor, Partial, Replicate
+
+            partial = DTensor.from_local(torch.ones(3), mesh, [Partial(), Replicate()])
+            try:
+                mgr.save(2, {"p": partial})
+                raise AssertionError("a Partial() DTensor was saved")
+            except (ckptstore.CkptStoreError, TypeError) as exc:
+                assert "redistribute" in str(exc), str(exc)
+            mgr.close()
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+            into = {k: _dt(torch.zeros(s, dtype=getattr(torch, d)), mesh, DT_LOAD[world][k])
+                    for k, (s, d, _p) in DT_SPECS.items()}
+            read, needed = _load_measured(root, "step-1", into)
+            report["read"], report["needed"] = read, needed
+            for k, (s, d, _p) in DT_SPECS.items():
+                want = _dt(dt_truth(k, s, d), mesh, DT_LOAD[world][k]).to_local()
+                assert torch.equal(into[k].to_local(), want), k
+            if mode == "load2":
+                mgr = ckptstore.CheckpointManager(root, chunk_bytes=4096)
+                mgr.save(2, {k: _dt(dt_truth(k, s, d), mesh, p)
+                             for k, (s, d, p, _q) in DT_3D.items()})
+                mgr.close()
+            else:
+                into3 = {k: _dt(torch.zeros(s, dtype=getattr(torch, d)), mesh, q)
+                         for k, (s, d, _p, q) in DT_3D.items()}
+                mgr = ckptstore.CheckpointManager(root)
+                assert mgr.restore(into3, step=2) == 2
+                mgr.close()
+                for k, (s, d, _p, _q) in DT_3D.items():
+                    assert torch.equal(into3[k].full_tensor(), dt_truth(k, s, d)), k
+        with open(os.path.join(out_dir, f"dt-{rank}"), "w") as f:
+            f.write("ok " + json.dumps(report))
+    except BaseException:
+        with open(os.path.join(out_dir, f"dt-{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -28,10 +28,13 @@ class ArrayLeaf:
     storage_stride: tuple[int, ...] = ()
     global_shape: tuple[int, ...] | None = None  # set when `array` is only some rows (a shard)
     row_offset: int = 0  # first global row of `array` when sharded
+    #: when sharded along other dims too (a DTensor): global index of `array`'s first element
+    #: per dim (region_offset[0] == row_offset); None: only rows (offset on dim 0)
+    region_offset: tuple[int, ...] | None = None
 
     @property
     def is_partial(self) -> bool:
-        """True if this process holds only some rows of the stored tensor."""
+        """True if this process holds only part of the stored tensor."""
         return self.global_shape is not None and tuple(self.array.shape) != self.global_shape
 
     @property

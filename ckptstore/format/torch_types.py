@@ -92,45 +92,61 @@ def tensor_leaf(t: Any, key: str) -> ArrayLeaf:
     )
 
 
-def _dtensor_leaf(local: tuple[torch.Tensor, tuple[int, int] | None, tuple[int, ...]],
+def _dtensor_leaf(local: tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]],
                   key: str, requires_grad: bool, parameter: bool) -> ArrayLeaf:
-    """The leaf of a DTensor's local part: its rows of the global tensor when sharded."""
-    tensor, rows, global_shape = local
+    """The leaf of a DTensor's local part: its region of the global tensor when sharded."""
+    tensor, offset, global_shape = local
     leaf = tensor_leaf(tensor, key)
     leaf.requires_grad, leaf.parameter = requires_grad, parameter
-    if rows is not None:
-        leaf.global_shape, leaf.row_offset = global_shape, rows[0]
+    if offset is not None:
+        leaf.global_shape, leaf.row_offset = global_shape, offset[0]
+        leaf.region_offset = offset
         leaf.storage_identity = None
     return leaf
 
 
 def dtensor_local(t: Any, key: str
-                  ) -> tuple[torch.Tensor, tuple[int, int] | None, tuple[int, ...]] | None:
-    """For a DTensor: (local tensor, its global rows or None if replicated, global shape).
-    None for any other tensor. Supports 1-D meshes with Shard(0) or Replicate placements."""
+                  ) -> tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]] | None:
+    """For a DTensor: (local tensor, global index of its first element per dim or None when
+    it holds the whole tensor, global shape). None for any other tensor.
+
+    Any device mesh and any mix of Shard(d) and Replicate() placements (several mesh dims may
+    shard the same tensor dim; uneven splits included): the local region is what torch itself
+    computes (`compute_local_shape_and_global_offset`). Partial() and strided shards raise
+    UnsupportedTypeError saying what to do."""
     cls = type(t)
     if cls.__name__ != "DTensor" or not cls.__module__.startswith("torch.distributed"):
         return None
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Partial, Replicate
     from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     placements = tuple(t.placements)
     mesh = t.device_mesh
     global_shape = tuple(int(s) for s in t.shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise UnsupportedTypeError(
+                f"{key}: DTensor placement {p} on mesh dim {mesh_dim} holds unreduced partial "
+                "values, which a checkpoint cannot store; reduce them first, e.g. "
+                "t.redistribute(t.device_mesh, [Replicate() or Shard(d) per mesh dim])")
+        if type(p) is not DShard and not isinstance(p, Replicate):
+            raise UnsupportedTypeError(
+                f"{key}: DTensor placement {p!r} on mesh dim {mesh_dim} is not supported (its "
+                "local rows are not one contiguous block); redistribute to Shard(d) or "
+                "Replicate() placements before saving or loading")
+    if not mesh._is_current_rank_part_of_mesh():
+        raise UnsupportedTypeError(f"{key}: this rank is not part of the DTensor's device mesh")
     local = t.to_local()
-    if mesh.ndim != 1 or len(placements) != 1:
-        raise UnsupportedTypeError(f"{key}: only DTensors on a 1-D device mesh are supported")
-    placement = placements[0]
-    if isinstance(placement, Replicate):
+    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    shape = tuple(int(s) for s in shape)
+    if shape != tuple(local.shape):
+        raise UnsupportedTypeError(f"{key}: DTensor local tensor of shape {tuple(local.shape)} "
+                                   f"differs from its placements' local shape {shape}")
+    if shape == global_shape:
         return local, None, global_shape
-    if not (isinstance(placement, DShard) and placement.dim == 0):
-        raise UnsupportedTypeError(f"{key}: DTensor placement {placement} is not supported "
-                                   "(use Shard(0) or Replicate())")
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-    start = int(offset[0]) if local.shape[0] else global_shape[0]
-    return local, (start, start + int(local.shape[0])), global_shape
+    offsets = tuple(min(int(o), g) for o, g in zip(offset, global_shape))
+    return local, offsets, global_shape
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray | None:
