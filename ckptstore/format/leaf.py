@@ -28,9 +28,9 @@ class ArrayLeaf:
     storage_stride: tuple[int, ...] = ()
     global_shape: tuple[int, ...] | None = None  # set when `array` is only some rows (a shard)
     row_offset: int = 0  # first global row of `array` when sharded
-    #: when sharded along other dims too (a DTensor): global index of `array`'s first element
-    #: per dim (region_offset[0] == row_offset); None: only rows (offset on dim 0)
-    region_offset: tuple[int, ...] | None = None
+    #: when sharded along other dims too (a DTensor): where `array` lies in the global tensor,
+    #: per dim (see format/regions.py); None: rows from `row_offset` on dim 0
+    region_runs: tuple[tuple[tuple[int, int, int], ...], ...] | None = None
 
     @property
     def is_partial(self) -> bool:

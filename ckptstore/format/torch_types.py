@@ -12,6 +12,7 @@ from ..errors import UnsupportedTypeError
 from . import dtypes
 from .leaf import ArrayLeaf
 from .manifest import TensorEntry
+from .regions import Runs, index_runs
 
 # torch dtypes numpy lacks are viewed as unsigned ints of the same width
 _BITS_VIEW = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
@@ -92,34 +93,33 @@ def tensor_leaf(t: Any, key: str) -> ArrayLeaf:
     )
 
 
-def _dtensor_leaf(local: tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]],
+def _dtensor_leaf(local: tuple[torch.Tensor, Runs | None, tuple[int, ...]],
                   key: str, requires_grad: bool, parameter: bool) -> ArrayLeaf:
-    """The leaf of a DTensor's local part: its region of the global tensor when sharded."""
-    tensor, offset, global_shape = local
+    """The leaf of a DTensor's local part: where it lies in the global tensor when sharded."""
+    tensor, runs, global_shape = local
     leaf = tensor_leaf(tensor, key)
     leaf.requires_grad, leaf.parameter = requires_grad, parameter
-    if offset is not None:
-        leaf.global_shape, leaf.row_offset = global_shape, offset[0]
-        leaf.region_offset = offset
+    if runs is not None:
+        leaf.global_shape, leaf.region_runs = global_shape, runs
+        leaf.row_offset = runs[0][0][1] if runs and runs[0] else 0
         leaf.storage_identity = None
     return leaf
 
 
-def dtensor_local(t: Any, key: str
-                  ) -> tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]] | None:
-    """For a DTensor: (local tensor, global index of its first element per dim or None when
-    it holds the whole tensor, global shape). None for any other tensor.
+def dtensor_local(t: Any, key: str) -> tuple[torch.Tensor, Runs | None, tuple[int, ...]] | None:
+    """For a DTensor: (local tensor, where it lies in the global tensor as per-dim runs
+    (format/regions.py) or None when it holds the whole tensor, global shape). None for any
+    other tensor.
 
-    Any device mesh and any mix of Shard(d) and Replicate() placements (several mesh dims may
-    shard the same tensor dim; uneven splits included): the local region is what torch itself
-    computes (`compute_local_shape_and_global_offset`). Partial() and strided shards raise
-    UnsupportedTypeError saying what to do."""
+    Any device mesh, any mix of Shard(d), Replicate() and strided shards (FSDP2 over tensor
+    parallelism), several mesh dims sharding one tensor dim, uneven splits: the global
+    indexes of the local part are what torch itself computes, mesh dim after mesh dim
+    (torch.distributed.tensor._utils, as its compute_local_shape_and_global_offset does).
+    Partial() raises UnsupportedTypeError saying what to do."""
     cls = type(t)
     if cls.__name__ != "DTensor" or not cls.__module__.startswith("torch.distributed"):
         return None
     from torch.distributed.tensor import Partial, Replicate
-    from torch.distributed.tensor import Shard as DShard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     placements = tuple(t.placements)
     mesh = t.device_mesh
@@ -130,23 +130,61 @@ def dtensor_local(t: Any, key: str
                 f"{key}: DTensor placement {p} on mesh dim {mesh_dim} holds unreduced partial "
                 "values, which a checkpoint cannot store; reduce them first, e.g. "
                 "t.redistribute(t.device_mesh, [Replicate() or Shard(d) per mesh dim])")
-        if type(p) is not DShard and not isinstance(p, Replicate):
+        if not isinstance(p, (*_shard_types(), Replicate)):
             raise UnsupportedTypeError(
-                f"{key}: DTensor placement {p!r} on mesh dim {mesh_dim} is not supported (its "
-                "local rows are not one contiguous block); redistribute to Shard(d) or "
-                "Replicate() placements before saving or loading")
-    if not mesh._is_current_rank_part_of_mesh():
+                f"{key}: DTensor placement {p!r} on mesh dim {mesh_dim} is not supported; "
+                "redistribute to Shard(d) or Replicate() placements before saving or loading")
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
         raise UnsupportedTypeError(f"{key}: this rank is not part of the DTensor's device mesh")
     local = t.to_local()
-    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-    shape = tuple(int(s) for s in shape)
+    runs = _local_runs(global_shape, tuple(mesh.shape), coordinate, placements)
+    shape = tuple(sum(n for _l, _g, n in r) for r in runs)
     if shape != tuple(local.shape):
         raise UnsupportedTypeError(f"{key}: DTensor local tensor of shape {tuple(local.shape)} "
                                    f"differs from its placements' local shape {shape}")
-    if shape == global_shape:
+    if runs == tuple(((0, 0, n),) if n else () for n in global_shape):
         return local, None, global_shape
-    offsets = tuple(min(int(o), g) for o, g in zip(offset, global_shape))
-    return local, offsets, global_shape
+    return local, runs, global_shape
+
+
+def _shard_types() -> tuple[type, ...]:
+    """Shard and, where this torch has it, _StridedShard (not a Shard subclass)."""
+    from torch.distributed.tensor import Shard as DShard
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return (DShard,)
+    return (DShard, _StridedShard)
+
+
+def _local_runs(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                coordinate: Any, placements: tuple[Any, ...]) -> Runs:
+    """Per dim, the runs of global indexes this mesh coordinate holds."""
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+
+    sizes = list(global_shape)
+    indexes: dict[int, Any] = {}
+    for mesh_dim, placement in enumerate(placements):
+        if not isinstance(placement, _shard_types()):
+            continue
+        p: Any = placement
+        d = p.dim
+        size, index = _get_shard_size_and_offsets(
+            sizes[d], mesh_shape[mesh_dim], int(coordinate[mesh_dim]), p, indexes.get(d),
+            global_shape[d], False)
+        sizes[d] = int(size)
+        indexes[d] = index
+    runs: list[tuple[tuple[int, int, int], ...]] = []
+    for d, n in enumerate(global_shape):
+        if sizes[d] == 0:
+            runs.append(())
+        elif d in indexes:
+            runs.append(index_runs([int(i) for i in indexes[d].tolist()]))
+        else:
+            runs.append(((0, 0, n),))
+    return tuple(runs)
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray | None:

@@ -14,6 +14,7 @@ from ..collector import paused_collector
 from ..errors import FormatError, KeyMismatchError
 from ..format import tree as tree_mod
 from ..format.manifest import Manifest, TensorEntry
+from ..format.regions import Runs, block_runs, single_offset
 from ..format.shard import Shard
 from .reader import CheckpointReader, ReadTarget
 from .regions import RegionReads
@@ -79,15 +80,16 @@ def _torch_interop() -> Any:
     return torch_interop
 
 
-def local_part(dest: Any, key: str) -> tuple[Any, tuple[int, ...] | None, tuple[int, ...]]:
-    """(local array, global index of its first element per dim or None when it holds the
-    whole tensor, global shape) of an `into=` destination: a Shard (rows of dim 0), a DTensor
-    (any mesh, Shard(d)/Replicate placements), or a plain tensor/array."""
+def local_part(dest: Any, key: str) -> tuple[Any, Runs | None, tuple[int, ...]]:
+    """(local array, where it lies in the global tensor (format/regions.py) or None when it
+    holds the whole tensor, global shape) of an `into=` destination: a Shard (rows of dim
+    0), a DTensor (any mesh and Shard/Replicate placements), or a plain tensor/array."""
     if isinstance(dest, Shard):
         ndim = len(dest.global_shape)
-        return dest.data, (dest.offset,) + (0,) * (ndim - 1), dest.global_shape
+        offset = (dest.offset,) + (0,) * (ndim - 1)
+        return dest.data, block_runs(offset, tuple(dest.data.shape)), dest.global_shape
     if not isinstance(dest, np.ndarray):
-        found: tuple[Any, tuple[int, ...] | None, tuple[int, ...]] | None = (
+        found: tuple[Any, Runs | None, tuple[int, ...]] | None = (
             _torch_interop().dtensor_local(dest, key))
         if found is not None:
             return found
@@ -95,16 +97,30 @@ def local_part(dest: Any, key: str) -> tuple[Any, tuple[int, ...] | None, tuple[
 
 
 def _row_range(entry: TensorEntry, local_shape: tuple[int, ...],
-               offset: tuple[int, ...] | None) -> tuple[bool, tuple[int, int] | None]:
+               runs: Runs | None) -> tuple[bool, tuple[int, int] | None]:
     """(True, rows or None for all) when the region can be read as rows of row-block chunks
     straight into its buffer; (False, None) when it needs the region path (`RegionReads`)."""
     if entry.is_grid:
         return False, None
-    if offset is None:
+    if runs is None:
         return True, None
-    if not local_shape or tuple(local_shape[1:]) != tuple(entry.shape[1:]):
+    offset = single_offset(runs)
+    if offset is None or not local_shape or tuple(local_shape[1:]) != tuple(entry.shape[1:]):
         return False, None
     return True, (offset[0], offset[0] + local_shape[0])
+
+
+def _runs_fit(runs: Runs, local_shape: tuple[int, ...], gshape: tuple[int, ...]) -> bool:
+    """The runs lie inside the global shape and exactly cover the local shape."""
+    if len(runs) != len(gshape) or len(local_shape) != len(gshape):
+        return False
+    for dim_runs, n_local, n_global in zip(runs, local_shape, gshape):
+        if sum(n for _l, _g, n in dim_runs) != n_local:
+            return False
+        if any(not (0 <= loc and loc + n <= n_local and 0 <= g and g + n <= n_global)
+               for loc, g, n in dim_runs):
+            return False
+    return True
 
 
 def _check_numpy_dest(dest: Any, entry: TensorEntry) -> str | None:
@@ -147,10 +163,10 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
             entry = manifest.tensors[i]
             key = key_of.get(i, "")
             dest: Any = None
-            offset: tuple[int, ...] | None = None
+            runs: Runs | None = None
             original = dests.get(key)
             if original is not None:
-                dest, offset, _gshape = local_part(original, key)
+                dest, runs, _gshape = local_part(original, key)
             try:
                 if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
                     if torch_mat is None:
@@ -168,11 +184,11 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
             values[i] = original if original is not None else value
             if buf.nbytes:
                 local_shape = tuple(dest.shape) if dest is not None else entry.shape
-                by_rows, rows = _row_range(entry, local_shape, offset)
+                by_rows, rows = _row_range(entry, local_shape, runs)
                 if by_rows:
                     targets.append(ReadTarget(entry, buf, rows))
                 else:
-                    regions.add(entry, buf, local_shape, offset)
+                    regions.add(entry, buf, local_shape, runs)
             if fin is not None:
                 finishers.append(fin)
     reader.read_tensors(targets)
@@ -217,16 +233,14 @@ def _check_into(manifest: Manifest, selected: list[int], key_of: dict[int, str],
         if original is None:
             continue
         entry = manifest.tensors[i]
-        dest, offset, gshape = local_part(original, key)
+        dest, runs, gshape = local_part(original, key)
         if gshape != entry.shape:
             why: str | None = f"destination shape {gshape} != stored {entry.shape}"
-        elif offset is None and tuple(dest.shape) != entry.shape:
+        elif runs is None and tuple(dest.shape) != entry.shape:
             why = f"destination holds shape {tuple(dest.shape)}, the tensor is {entry.shape}"
-        elif offset is not None and (len(offset) != len(gshape) or len(dest.shape) != len(gshape)
-                                     or any(not 0 <= o <= o + n <= g for o, n, g
-                                            in zip(offset, dest.shape, gshape))):
-            why = (f"destination region at {list(offset)} of shape {list(dest.shape)} lies "
-                   f"outside the stored shape {list(gshape)}")
+        elif runs is not None and not _runs_fit(runs, tuple(dest.shape), gshape):
+            why = (f"destination of shape {list(dest.shape)} at {[list(r) for r in runs]} "
+                   f"does not fit the stored shape {list(gshape)}")
         elif isinstance(dest, np.ndarray):
             why = _check_numpy_dest(dest, entry)
         else:

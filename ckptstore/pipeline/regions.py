@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..format.manifest import TensorEntry
+from ..format.regions import Box, Runs, boxes
 from .reader import CheckpointReader, ReadTarget
 
 MiB = 1 << 20
@@ -49,16 +50,23 @@ class RegionReads:
         self._scratch = 0
 
     def add(self, entry: TensorEntry, buffer: np.ndarray, local_shape: tuple[int, ...],
-            offset: tuple[int, ...] | None) -> None:
-        """Fill `buffer` (flat uint8, C order) with the elements of `entry` in the region of
-        shape `local_shape` starting at global index `offset` (None: the whole tensor)."""
-        itemsize = entry.dtype.itemsize
+            runs: Runs | None) -> None:
+        """Fill `buffer` (flat uint8, C order, of `local_shape`) with the elements of `entry`
+        that `runs` place there (None: the whole tensor)."""
         if not entry.shape:  # 0-d: one chunk, the whole tensor
             self._batches[-1][0].append(ReadTarget(entry, buffer))
             return
-        offset = offset if offset is not None else (0,) * len(entry.shape)
-        region = [(o, o + n) for o, n in zip(offset, local_shape)]
-        dest = buffer.reshape(*local_shape, itemsize)
+        ndim = len(entry.shape)
+        parts = boxes(runs) if runs is not None else [Box((0,) * ndim, (0,) * ndim, entry.shape)]
+        dest = buffer.reshape(*local_shape, entry.dtype.itemsize)
+        in_place = len(parts) == 1 and not any(parts[0].local)
+        for box in parts:
+            self._add_box(entry, buffer, dest, local_shape, box, in_place)
+
+    def _add_box(self, entry: TensorEntry, buffer: np.ndarray, dest: np.ndarray,
+                 local_shape: tuple[int, ...], box: Box, in_place: bool) -> None:
+        itemsize = entry.dtype.itemsize
+        region = list(zip(box.start, box.stop))
         block = entry.block_shape()
         per_dim = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(region, block)]
         grid = [max(1, -(-n // c)) for n, c in zip(entry.shape, block)]
@@ -72,13 +80,13 @@ class RegionReads:
             if any(a >= b for a, b in inter):
                 continue
             one = _single_chunk(entry, index, extents)
-            whole_rows = inter == list(creg) and extents[1:] == tuple(local_shape[1:])
-            if whole_rows:  # contiguous in the destination: read in place
-                row = math.prod(local_shape[1:]) * itemsize
-                lo = (creg[0][0] - offset[0]) * row
+            if in_place and inter == list(creg) and extents[1:] == tuple(local_shape[1:]):
+                row = math.prod(local_shape[1:]) * itemsize  # whole local rows: read in place
+                lo = (creg[0][0] - box.start[0]) * row
                 self._batches[-1][0].append(ReadTarget(one, buffer[lo : lo + extents[0] * row]))
                 continue
-            dst = tuple(slice(a - o, b - o) for (a, b), o in zip(inter, offset))
+            dst = tuple(slice(a - s + loc, b - s + loc)
+                        for (a, b), s, loc in zip(inter, box.start, box.local))
             src = tuple(slice(a - s, b - s) for (a, b), (s, _e) in zip(inter, creg))
             self._batches[-1][1].append(_Copy(one, extents, dest, dst, src))
             self._scratch += one.nbytes

@@ -35,6 +35,7 @@ from ..format.canonical import canonical_json
 from ..format.codecs import Codec
 from ..format.leaf import ArrayLeaf
 from ..format.manifest import ChunkRef, Manifest, StorageRef, TensorEntry, chunk_region
+from ..format.regions import Box, Runs, block_runs, boxes
 from ..pipeline.commit import SaveRequest
 from ..pipeline.writer import (
     CheckpointWriter,
@@ -91,13 +92,9 @@ def report_failure(group: Any, error: str) -> None:
 
 def _describe(leaf: ArrayLeaf) -> dict[str, Any]:
     shape = [int(s) for s in leaf.array.shape]
-    if leaf.region_offset is not None:
-        offset = list(leaf.region_offset)
-    else:
-        offset = [leaf.row_offset] + [0] * (len(shape) - 1) if shape else []
     return {"key": leaf.key, "kind": leaf.kind, "dtype": leaf.dtype.name, "shape": shape,
             "global": list(leaf.global_shape) if leaf.global_shape is not None else shape,
-            "offset": offset, "partial": leaf.is_partial}
+            "runs": [list(map(list, r)) for r in _leaf_runs(leaf)], "partial": leaf.is_partial}
 
 
 def _first_error(items: list[Any]) -> str | None:
@@ -133,9 +130,6 @@ def _aligned_chunk_rows(bounds: set[int], target: int, row_bytes: int, chunk_byt
     return best
 
 
-Region = tuple[tuple[int, int], ...]  # [start, stop) per dim
-
-
 @dataclass(frozen=True)
 class TensorLayout:
     """The global chunking of one tensor (what the manifest records) and the rank that
@@ -152,36 +146,28 @@ class TensorLayout:
             return self.chunk_shape
         return (self.chunk_rows, *self.shape[1:]) if self.shape else ()
 
-    def region(self, c: int) -> Region:
+    def region(self, c: int) -> tuple[tuple[int, int], ...]:
         if self.packed:
             return tuple((0, n) for n in self.shape)
         return chunk_region(self.shape, self.block(), c)
 
 
-def _regions(descs: list[list[dict[str, Any]]], i: int) -> list[Region | None]:
-    """Every rank's region of leaf i (None: it holds no element)."""
-    out: list[Region | None] = []
-    for r in descs:
-        d = r[i]
-        if math.prod(d["shape"]) == 0 and d["shape"]:
-            out.append(None)
-        else:
-            out.append(tuple((o, o + n) for o, n in zip(d["offset"], d["shape"])))
-    return out
+def _regions(descs: list[list[dict[str, Any]]], i: int) -> list[list[Box]]:
+    """Every rank's boxes of leaf i (none: it holds no element)."""
+    return [boxes(tuple(tuple(tuple(run) for run in dim) for dim in r[i]["runs"]))
+            for r in descs]
 
 
 def _chunk_grid(key: str, gshape: tuple[int, ...], itemsize: int,
-                regions: list[Region | None], options: SaveOptions
+                regions: list[list[Box]], options: SaveOptions
                 ) -> tuple[int, tuple[int, ...] | None]:
     """(chunk_rows, chunk_shape or None for row blocks) such that every shard boundary of
     every dim falls on a chunk boundary: each chunk then lies whole inside, or wholly outside,
     each rank's region. Dims other than 0 are split only where some rank's region ends
     (chunks as wide as the narrowest aligned piece); dim 0 in blocks of about chunk_bytes."""
     bounds: list[set[int]] = [set() for _ in gshape]
-    for reg in regions:
-        if reg is None:
-            continue
-        for d, (a, b) in enumerate(reg):
+    for box in (b for rank_boxes in regions for b in rank_boxes):
+        for d, (a, b) in enumerate(zip(box.start, box.stop)):
             bounds[d].update(x for x in (a, b) if 0 < x < gshape[d])
     inner: list[int] = []
     for d in range(1, len(gshape)):
@@ -197,20 +183,20 @@ def _chunk_grid(key: str, gshape: tuple[int, ...], itemsize: int,
     return rows, (rows, *inner)
 
 
-def _layout(key: str, gshape: tuple[int, ...], itemsize: int, regions: list[Region | None],
+def _layout(key: str, gshape: tuple[int, ...], itemsize: int, regions: list[list[Box]],
             options: SaveOptions, load: list[int],
             shared: list[tuple[int, int, int, tuple[int, ...]]], index: int) -> TensorLayout:
     """The layout of one tensor. Chunks only one rank holds are assigned at once (counted in
     `load`); chunks several ranks hold go to `shared` as (bytes, leaf, chunk, holders) for the
     balancing pass. Owners of shared chunks are filled in later (-1 here)."""
     nbytes = math.prod(gshape) * itemsize
-    whole = tuple((0, n) for n in gshape)
+    whole = [Box((0,) * len(gshape), (0,) * len(gshape), gshape)]
     sharded = any(reg != whole for reg in regions)
     if not sharded and 0 < nbytes <= options.pack_threshold:
         shared.append((nbytes, index, 0, tuple(range(len(regions)))))
         return TensorLayout(gshape, max(1, gshape[0]) if gshape else 1, None, True, (-1,))
     if not gshape:
-        holders = tuple(k for k, reg in enumerate(regions) if reg is not None)
+        holders = tuple(k for k, reg in enumerate(regions) if reg)
         shared.append((nbytes, index, 0, holders))
         return TensorLayout(gshape, 1, None, False, (-1,))
     if nbytes == 0:
@@ -222,8 +208,8 @@ def _layout(key: str, gshape: tuple[int, ...], itemsize: int, regions: list[Regi
     owners = [-1] * n_chunks
     for c in range(n_chunks):
         region = layout.region(c)
-        holders = tuple(k for k, reg in enumerate(regions) if reg is not None and all(
-            a <= lo and hi <= b for (a, b), (lo, hi) in zip(reg, region)))
+        holders = tuple(k for k, reg in enumerate(regions)
+                        if any(box.contains(region) for box in reg))
         if not holders:
             raise CkptStoreError(f"{key}: no rank holds the elements {list(region)} of the "
                                  f"global shape {list(gshape)}: the ranks' shards do not "
@@ -355,10 +341,12 @@ def _write_owned(writer: CheckpointWriter, leaves: list[ArrayLeaf],
             plans.append(LeafPlan(lay.chunk_rows, packed=lay.packed))
             where.append((i, 0))
             continue
-        offset = _leaf_offset(leaf)
+        my_boxes = boxes(_leaf_runs(leaf))
         for c in mine:
             region = lay.region(c)
-            view = leaf.array[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(region, offset))]
+            box = next(b for b in my_boxes if b.contains(region))
+            view = leaf.array[tuple(slice(lo - s + loc, hi - s + loc) for (lo, hi), s, loc
+                                    in zip(region, box.start, box.local))]
             parts.append(leaf.with_array(view))
             plans.append(LeafPlan(max(1, region[0][1] - region[0][0])))
             where.append((i, c))
@@ -372,11 +360,12 @@ def _write_owned(writer: CheckpointWriter, leaves: list[ArrayLeaf],
     return {where[j]: ref for (j, _zero), ref in refs.items()}
 
 
-def _leaf_offset(leaf: ArrayLeaf) -> tuple[int, ...]:
-    if leaf.region_offset is not None:
-        return leaf.region_offset
-    return (leaf.row_offset,) + (0,) * (leaf.array.ndim - 1) if leaf.is_partial else \
-        (0,) * leaf.array.ndim
+def _leaf_runs(leaf: ArrayLeaf) -> Runs:
+    """Where the leaf's array lies in the global tensor."""
+    if leaf.region_runs is not None:
+        return leaf.region_runs
+    offset = (leaf.row_offset,) + (0,) * (leaf.array.ndim - 1) if leaf.array.ndim else ()
+    return block_runs(offset, tuple(int(n) for n in leaf.array.shape))
 
 
 class _RemappedOverlap:
