@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import traceback
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -273,6 +274,121 @@ def dtensor_worker(rank: int, world: int, init_file: str, root: str, out_dir: st
             f.write("ok " + json.dumps(report))
     except BaseException:
         with open(os.path.join(out_dir, f"dt-{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- FSDP2 + TP and Adam
+TP_STEPS, TP_MORE = 3, 2  # steps before the checkpoint, steps after it
+
+
+class TPNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 32, dtype=torch.float64)  # column-wise parallel
+        self.down = torch.nn.Linear(32, 6, dtype=torch.float64)  # row-wise parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _tp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return (torch.randn(8, 8, generator=g, dtype=torch.float64),
+            torch.randn(8, 6, generator=g, dtype=torch.float64))
+
+
+def _tp_model(world: int, seed: int):
+    """world 4: 2x2 mesh, tensor parallel on "tp" and FSDP2 on "dp" (strided shards);
+    world 2: tensor parallel only. Returns (model, optimizer, this rank's batch slice)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(seed)
+    model = TPNet()
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh["dp"])
+        dp = mesh["dp"].get_local_rank()
+        rows = slice(4 * dp, 4 * dp + 4)  # the global batch of 8, split over dp
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        rows = slice(0, 8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt, rows
+
+
+def _tp_train(model, opt, rows: slice, steps: range) -> None:
+    for step in steps:
+        x, y = _tp_batch(step)
+        opt.zero_grad()
+        loss = ((model(x[rows]) - y[rows]) ** 2).mean()
+        loss.backward()
+        opt.step()
+
+
+def _full_states(model, opt) -> dict[str, np.ndarray]:
+    """Every parameter and Adam state as full numpy arrays (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    out = {}
+    for k, v in msd.items():
+        out[f"model.{k}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v
+                             ).detach().numpy().copy()  # a copy: the values move on
+    for k, st in osd["state"].items():
+        for name, v in st.items():
+            out[f"optim.{k}.{name}"] = (v.full_tensor() if hasattr(v, "full_tensor")
+                                        else v).detach().numpy().copy()
+    return out
+
+
+def tp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
+              mode: str) -> None:
+    """mode "train4": FSDP2+TP on 4 ranks, TP_STEPS steps, save, then TP_MORE more steps
+    (the uninterrupted run). "resume2": TP on 2 ranks from a different init, restore, check
+    bit-exact, train TP_MORE steps. Rank 0 writes .npy files of the full states."""
+    try:
+        _init(rank, world, init_file)
+        import ckptstore
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model, opt, rows = _tp_model(world, seed=1 if mode == "train4" else 2)
+        mgr = ckptstore.CheckpointManager(root, chunk_bytes=512)
+        if mode == "train4":
+            _tp_train(model, opt, rows, range(TP_STEPS))
+            msd, osd = get_state_dict(model, opt)
+            mgr.save(TP_STEPS, {"model": msd, "optim": osd})
+            saved = _full_states(model, opt)
+            _tp_train(model, opt, rows, range(TP_STEPS, TP_STEPS + TP_MORE))
+            final = _full_states(model, opt)
+        else:
+            msd, osd = get_state_dict(model, opt)  # initialised states to fill in place
+            assert mgr.restore({"model": msd, "optim": osd}) == TP_STEPS
+            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+            saved = _full_states(model, opt)
+            _tp_train(model, opt, rows, range(TP_STEPS, TP_STEPS + TP_MORE))
+            final = _full_states(model, opt)
+        mgr.close()
+        if rank == 0:
+            np.savez(os.path.join(out_dir, "saved.npz"), **saved)
+            np.savez(os.path.join(out_dir, "final.npz"), **final)
+        with open(os.path.join(out_dir, f"tp-{rank}"), "w") as f:
+            f.write("ok")
+    except BaseException:
+        with open(os.path.join(out_dir, f"tp-{rank}"), "w") as f:
             f.write(traceback.format_exc())
         raise
     finally:
