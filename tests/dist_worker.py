@@ -362,8 +362,9 @@ def tp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
     bit-exact, train TP_MORE steps. Rank 0 writes .npy files of the full states."""
     try:
         _init(rank, world, init_file)
-        import ckptstore
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        import ckptstore
 
         model, opt, rows = _tp_model(world, seed=1 if mode == "train4" else 2)
         mgr = ckptstore.CheckpointManager(root, chunk_bytes=512)
