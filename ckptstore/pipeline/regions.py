@@ -4,23 +4,23 @@ tensor whose chunks form an N-D grid (docs/format.md, chunk_shape).
 For each region only the chunks overlapping it are read, each verified by the reader like any
 other chunk. A chunk that covers whole rows of the destination (its extents on dims 1.. equal
 the region's, and it lies inside the region) is read straight into the destination bytes;
-any other is read whole into a scratch buffer and its overlap copied into place. Scratch
-buffers are bounded: regions are read in batches of at most `max_scratch_bytes` of them.
+any other is read whole into a scratch buffer and its overlap copied into place, one chunk
+per job on the reader's number of threads, so at most that many scratch chunks exist at once.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import itertools
 import math
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..concurrency import completed
 from ..format.manifest import TensorEntry
 from ..format.regions import Box, Runs, boxes
 from .reader import CheckpointReader, ReadTarget
-
-MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -43,18 +43,17 @@ def _single_chunk(entry: TensorEntry, index: int, extents: tuple[int, ...]) -> T
 class RegionReads:
     """Collects regions to fill, then `run()` reads them (see the module docstring)."""
 
-    def __init__(self, reader: CheckpointReader, max_scratch_bytes: int = 256 * MiB) -> None:
+    def __init__(self, reader: CheckpointReader) -> None:
         self.reader = reader
-        self.max_scratch_bytes = max_scratch_bytes
-        self._batches: list[tuple[list[ReadTarget], list[_Copy]]] = [([], [])]
-        self._scratch = 0
+        self._direct: list[ReadTarget] = []
+        self._copies: list[_Copy] = []
 
     def add(self, entry: TensorEntry, buffer: np.ndarray, local_shape: tuple[int, ...],
             runs: Runs | None) -> None:
         """Fill `buffer` (flat uint8, C order, of `local_shape`) with the elements of `entry`
         that `runs` place there (None: the whole tensor)."""
         if not entry.shape:  # 0-d: one chunk, the whole tensor
-            self._batches[-1][0].append(ReadTarget(entry, buffer))
+            self._direct.append(ReadTarget(entry, buffer))
             return
         ndim = len(entry.shape)
         parts = boxes(runs) if runs is not None else [Box((0,) * ndim, (0,) * ndim, entry.shape)]
@@ -83,28 +82,28 @@ class RegionReads:
             if in_place and inter == list(creg) and extents[1:] == tuple(local_shape[1:]):
                 row = math.prod(local_shape[1:]) * itemsize  # whole local rows: read in place
                 lo = (creg[0][0] - box.start[0]) * row
-                self._batches[-1][0].append(ReadTarget(one, buffer[lo : lo + extents[0] * row]))
+                self._direct.append(ReadTarget(one, buffer[lo : lo + extents[0] * row]))
                 continue
             dst = tuple(slice(a - s + loc, b - s + loc)
                         for (a, b), s, loc in zip(inter, box.start, box.local))
             src = tuple(slice(a - s, b - s) for (a, b), (s, _e) in zip(inter, creg))
-            self._batches[-1][1].append(_Copy(one, extents, dest, dst, src))
-            self._scratch += one.nbytes
-            if self._scratch >= self.max_scratch_bytes:
-                self._flush_later()
-
-    def _flush_later(self) -> None:
-        self._batches.append(([], []))
-        self._scratch = 0
+            self._copies.append(_Copy(one, extents, dest, dst, src))
 
     def run(self) -> None:
         """Read every region added; raises the reader's IntegrityError on any bad chunk."""
-        batches, self._batches = self._batches, [([], [])]
-        self._scratch = 0
-        for targets, copies in batches:
-            scratch = [np.empty(cp.one.nbytes, np.uint8) for cp in copies]
-            wanted = targets + [ReadTarget(cp.one, buf) for cp, buf in zip(copies, scratch)]
-            if wanted:
-                self.reader.read_tensors(wanted)
-            for cp, buf in zip(copies, scratch):
-                cp.dest[cp.dst] = buf.reshape(*cp.chunk_shape, -1)[cp.src]
+        direct, self._direct = self._direct, []
+        copies, self._copies = self._copies, []
+        if direct:
+            self.reader.read_tensors(direct)
+        if not copies:
+            return
+        copies.sort(key=lambda cp: -cp.one.nbytes)
+        workers = min(self.reader.options.workers, len(copies))
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-region") as pool:
+            for _ in completed(pool.submit(self._read_copy, cp) for cp in copies):
+                pass
+
+    def _read_copy(self, cp: _Copy) -> None:
+        scratch = np.empty(cp.one.nbytes, np.uint8)
+        self.reader.read_tensors([ReadTarget(cp.one, scratch)])
+        cp.dest[cp.dst] = scratch.reshape(*cp.chunk_shape, -1)[cp.src]
