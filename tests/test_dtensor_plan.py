@@ -81,9 +81,11 @@ def test_replicated_chunks_spread_over_holders():
 
 
 def test_sharded_dims_cut_finer_for_resharding():
-    opts = SaveOptions()  # 16 MiB chunks, 1 MiB minimum for resharding cuts
-    (lay,), _load, _r = _check_plan([_mesh_descs("down", (1024, 2048), [0, 1])], opts)
-    assert lay.chunk_shape == (256, 1024)  # 4 MiB shards cut to 1 MiB chunks
+    opts = SaveOptions()  # 16 MiB chunks, 4 MiB minimum for resharding cuts
+    (lay,), _load, _r = _check_plan([_mesh_descs("down", (4096, 8192), [0, 1])], opts)
+    assert lay.chunk_shape == (512, 2048)  # 32 MiB shards (2048, 4096) cut to 4 MiB chunks
+    (lay,), _load, _r = _check_plan([_mesh_descs("up", (8192, 4096), [0, 0])], opts)
+    assert lay.chunk_shape is None and lay.chunk_rows == 512  # row blocks, 4x the shards
 
 
 def test_uncovered_tensor_is_refused():

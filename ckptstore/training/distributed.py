@@ -162,7 +162,7 @@ def _regions(descs: list[list[dict[str, Any]]], i: int) -> list[list[Box]]:
 #: a job sharding it up to that many times finer reads no more than it needs...
 RESHARD_SPLIT = 4
 #: ...as long as chunks stay at least this big (or chunk_bytes, if smaller)
-MIN_RESHARD_CHUNK = 1 << 20
+MIN_RESHARD_CHUNK = 4 << 20
 
 
 def _chunk_grid(key: str, gshape: tuple[int, ...], itemsize: int,
