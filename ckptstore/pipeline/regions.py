@@ -25,13 +25,13 @@ from .reader import CheckpointReader, ReadTarget
 
 @dataclass(frozen=True)
 class _Copy:
-    """Read chunk entry `one` into scratch, then `dest[dst] = scratch (as the chunk)[src]`."""
+    """Read chunk entry `one` into scratch once, then `dest[dst] = scratch (as the
+    chunk)[src]` for every (dst, src) of `parts` (one per box of the region it overlaps)."""
 
     one: TensorEntry
     chunk_shape: tuple[int, ...]
     dest: np.ndarray  # the region's bytes shaped (*local_shape, itemsize)
-    dst: tuple[slice, ...]
-    src: tuple[slice, ...]
+    parts: list[tuple[tuple[slice, ...], tuple[slice, ...]]]
 
 
 def _single_chunk(entry: TensorEntry, index: int, extents: tuple[int, ...]) -> TensorEntry:
@@ -59,11 +59,14 @@ class RegionReads:
         parts = boxes(runs) if runs is not None else [Box((0,) * ndim, (0,) * ndim, entry.shape)]
         dest = buffer.reshape(*local_shape, entry.dtype.itemsize)
         in_place = len(parts) == 1 and not any(parts[0].local)
+        copies: dict[int, _Copy] = {}  # by chunk: a chunk several boxes overlap is read once
         for box in parts:
-            self._add_box(entry, buffer, dest, local_shape, box, in_place)
+            self._add_box(entry, buffer, dest, local_shape, box, in_place, copies)
+        self._copies.extend(copies.values())
 
     def _add_box(self, entry: TensorEntry, buffer: np.ndarray, dest: np.ndarray,
-                 local_shape: tuple[int, ...], box: Box, in_place: bool) -> None:
+                 local_shape: tuple[int, ...], box: Box, in_place: bool,
+                 copies: dict[int, _Copy]) -> None:
         itemsize = entry.dtype.itemsize
         region = list(zip(box.start, box.stop))
         block = entry.block_shape()
@@ -78,16 +81,18 @@ class RegionReads:
             inter = [(max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(creg, region)]
             if any(a >= b for a, b in inter):
                 continue
-            one = _single_chunk(entry, index, extents)
             if in_place and inter == list(creg) and extents[1:] == tuple(local_shape[1:]):
                 row = math.prod(local_shape[1:]) * itemsize  # whole local rows: read in place
                 lo = (creg[0][0] - box.start[0]) * row
-                self._direct.append(ReadTarget(one, buffer[lo : lo + extents[0] * row]))
+                self._direct.append(ReadTarget(_single_chunk(entry, index, extents),
+                                               buffer[lo : lo + extents[0] * row]))
                 continue
             dst = tuple(slice(a - s + loc, b - s + loc)
                         for (a, b), s, loc in zip(inter, box.start, box.local))
             src = tuple(slice(a - s, b - s) for (a, b), (s, _e) in zip(inter, creg))
-            self._copies.append(_Copy(one, extents, dest, dst, src))
+            if index not in copies:
+                copies[index] = _Copy(_single_chunk(entry, index, extents), extents, dest, [])
+            copies[index].parts.append((dst, src))
 
     def run(self) -> None:
         """Read every region added; raises the reader's IntegrityError on any bad chunk."""
@@ -106,4 +111,6 @@ class RegionReads:
     def _read_copy(self, cp: _Copy) -> None:
         scratch = np.empty(cp.one.nbytes, np.uint8)
         self.reader.read_tensors([ReadTarget(cp.one, scratch)])
-        cp.dest[cp.dst] = scratch.reshape(*cp.chunk_shape, -1)[cp.src]
+        block = scratch.reshape(*cp.chunk_shape, -1)
+        for dst, src in cp.parts:
+            cp.dest[dst] = block[src]
