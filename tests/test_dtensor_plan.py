@@ -112,7 +112,8 @@ def _grid_manifest(chunk_shape, n_chunks=None):
 def test_grid_manifest_round_trips_and_is_validated():
     m = _grid_manifest((2, 4))
     data = m.to_bytes()
-    assert b'"chunk_shape":[2,4]' in data and b'"chunk_grid":{"configuration":{"chunk_shape":[2,4]' in data
+    assert b'"chunk_shape":[2,4]' in data
+    assert b'"chunk_grid":{"configuration":{"chunk_shape":[2,4]' in data
     back = parse_manifest(data)
     assert back.tensors[0] == m.tensors[0] and len(back.tensors[0].chunks) == 6
     assert back.tensors[0].chunk_region(5) == ((4, 5), (4, 6))
