@@ -358,15 +358,17 @@ def _full_states(model, opt) -> dict[str, np.ndarray]:
 def tp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
               mode: str) -> None:
     """mode "train4": FSDP2+TP on 4 ranks, TP_STEPS steps, save, then TP_MORE more steps
-    (the uninterrupted run). "resume2": TP on 2 ranks from a different init, restore, check
-    bit-exact, train TP_MORE steps. Rank 0 writes .npy files of the full states."""
+    (the uninterrupted run). "resume2": TP on 2 ranks from a different init, restore, train
+    TP_MORE steps, save. "resume4": FSDP2+TP on 4 ranks restores that. Rank 0 writes .npz
+    files of the full states."""
     try:
         _init(rank, world, init_file)
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         import ckptstore
 
-        model, opt, rows = _tp_model(world, seed=1 if mode == "train4" else 2)
+        if mode != "resume4":
+            model, opt, rows = _tp_model(world, seed=1 if mode == "train4" else 2)
         mgr = ckptstore.CheckpointManager(root, chunk_bytes=512)
         if mode == "train4":
             _tp_train(model, opt, rows, range(TP_STEPS))
@@ -375,13 +377,21 @@ def tp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
             saved = _full_states(model, opt)
             _tp_train(model, opt, rows, range(TP_STEPS, TP_STEPS + TP_MORE))
             final = _full_states(model, opt)
-        else:
+        elif mode == "resume2":
             msd, osd = get_state_dict(model, opt)  # initialised states to fill in place
             assert mgr.restore({"model": msd, "optim": osd}) == TP_STEPS
             set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
             saved = _full_states(model, opt)
             _tp_train(model, opt, rows, range(TP_STEPS, TP_STEPS + TP_MORE))
             final = _full_states(model, opt)
+            msd, osd = get_state_dict(model, opt)
+            mgr.save(TP_STEPS + TP_MORE, {"model": msd, "optim": osd})
+        else:  # "resume4": the 2-rank checkpoint back into FSDP2 + TP (strided shards)
+            model, opt, rows = _tp_model(4, seed=3)
+            msd, osd = get_state_dict(model, opt)
+            assert mgr.restore({"model": msd, "optim": osd}) == TP_STEPS + TP_MORE
+            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+            saved = final = _full_states(model, opt)
         mgr.close()
         if rank == 0:
             np.savez(os.path.join(out_dir, "saved.npz"), **saved)

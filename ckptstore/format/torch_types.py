@@ -12,7 +12,7 @@ from ..errors import UnsupportedTypeError
 from . import dtypes
 from .leaf import ArrayLeaf
 from .manifest import TensorEntry
-from .regions import Runs, index_runs
+from .regions import Runs
 
 # torch dtypes numpy lacks are viewed as unsigned ints of the same width
 _BITS_VIEW = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
@@ -148,6 +148,15 @@ def dtensor_local(t: Any, key: str) -> tuple[torch.Tensor, Runs | None, tuple[in
     return local, runs, global_shape
 
 
+def _tensor_runs(index: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """`index_runs` of a 1-D index tensor, without a Python loop over its elements."""
+    index = index.reshape(-1).to(torch.int64)
+    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).reshape(-1) + 1).tolist()
+    starts = [0, *breaks]
+    stops = [*breaks, int(index.numel())]
+    return tuple((a, int(index[a]), b - a) for a, b in zip(starts, stops))
+
+
 def _shard_types() -> tuple[type, ...]:
     """Shard and, where this torch has it, _StridedShard (not a Shard subclass)."""
     from torch.distributed.tensor import Shard as DShard
@@ -181,7 +190,7 @@ def _local_runs(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
         if sizes[d] == 0:
             runs.append(())
         elif d in indexes:
-            runs.append(index_runs([int(i) for i in indexes[d].tolist()]))
+            runs.append(_tensor_runs(indexes[d]))
         else:
             runs.append(((0, 0, n),))
     return tuple(runs)
