@@ -140,6 +140,7 @@ class TensorLayout:
     chunk_shape: tuple[int, ...] | None
     packed: bool
     owners: tuple[int, ...]  # owners[c]: the rank writing chunk c
+    small: bool = False  # a sharded tensor of at most pack_threshold bytes: chunks packed
 
     def block(self) -> tuple[int, ...]:
         if self.chunk_shape is not None:
@@ -248,7 +249,8 @@ def _layout(key: str, gshape: tuple[int, ...], itemsize: int, regions: list[list
             load[holders[0]] += size
         else:
             shared.append((size, index, c, holders))
-    return TensorLayout(gshape, rows, grid, False, tuple(owners))
+    return TensorLayout(gshape, rows, grid, False, tuple(owners),
+                        small=nbytes <= options.pack_threshold)
 
 
 def plan_collective(descs: list[list[dict[str, Any]]], options: SaveOptions
@@ -271,8 +273,8 @@ def plan_collective(descs: list[list[dict[str, Any]]], options: SaveOptions
         k = min(holders, key=lambda r: (load[r], r))
         load[k] += nb
         owners[i][c] = k
-    out = [TensorLayout(lay.shape, lay.chunk_rows, lay.chunk_shape, lay.packed, tuple(o))
-           for lay, o in zip(layouts, owners)]
+    out = [TensorLayout(lay.shape, lay.chunk_rows, lay.chunk_shape, lay.packed, tuple(o),
+                        lay.small) for lay, o in zip(layouts, owners)]
     return out, load
 
 
@@ -376,7 +378,8 @@ def _write_owned(writer: CheckpointWriter, leaves: list[ArrayLeaf],
             view = leaf.array[tuple(slice(lo - s + loc, hi - s + loc) for (lo, hi), s, loc
                                     in zip(region, box.start, box.local))]
             parts.append(leaf.with_array(view))
-            plans.append(LeafPlan(max(1, region[0][1] - region[0][0])))
+            # the chunks of small sharded tensors (FSDP-sharded norms, biases) share blobs
+            plans.append(LeafPlan(max(1, region[0][1] - region[0][0]), packed=lay.small))
             where.append((i, c))
     overlap = writer.overlap
     if overlap is not None:
@@ -433,7 +436,7 @@ def _entries(leaves: list[ArrayLeaf], layouts: list[TensorLayout],
                                  "rank") from None
         out.append(TensorEntry(
             key=leaf.key, kind=leaf.kind, dtype=leaf.dtype, shape=lay.shape,
-            chunk_rows=lay.chunk_rows, codec=None if lay.packed else compression,
+            chunk_rows=lay.chunk_rows, codec=None if lay.packed or lay.small else compression,
             chunks=chunks, requires_grad=leaf.requires_grad, parameter=leaf.parameter,
             storage=storage[i], chunk_shape=lay.chunk_shape))
     return tuple(out)
