@@ -239,6 +239,13 @@ def dtensor_worker(rank: int, world: int, init_file: str, root: str, out_dir: st
             state["step"] = torch.tensor(5)
             mgr = ckptstore.CheckpointManager(root, chunk_bytes=4096)
             mgr.save(1, state)
+            # the same state by an async save that copies blocks in the background
+            amgr = ckptstore.CheckpointManager(root + "-overlap", async_save=True,
+                                               staging="overlap", max_host_bytes=1 << 16,
+                                               chunk_bytes=4096)
+            info = amgr.save(1, state).wait()
+            assert info.staging == "overlap", info.staging
+            amgr.close()
             from torch.distributed.tensor import DTensor, Partial, Replicate
 
             partial = DTensor.from_local(torch.ones(3), mesh, [Partial(), Replicate()])

@@ -50,6 +50,8 @@ def test_2x2_mesh_to_2_and_3_ranks_and_back_to_one_process(tmp_path):
     for k, (s, d, _p) in W.DT_SPECS.items():
         assert state[k].dtype == getattr(torch, d) and torch.equal(state[k], W.dt_truth(k, s, d))
     assert int(state["step"]) == 5
+    overlapped = CheckpointStore(str(root) + "-overlap", create=False).load("step-1")
+    assert all(torch.equal(overlapped[k], state[k]) for k in W.DT_SPECS)
     # ... and into a ckptstore.Shard (rows of dim 0) of a grid-chunked tensor
     part = Shard(torch.zeros(5, 12), offset=9, global_shape=(16, 12))
     repo.load("step-1", into={"a": part}, keys=["a"])

@@ -128,8 +128,8 @@ def dtensor_local(t: Any, key: str) -> tuple[torch.Tensor, Runs | None, tuple[in
         if isinstance(p, Partial):
             raise UnsupportedTypeError(
                 f"{key}: DTensor placement {p} on mesh dim {mesh_dim} holds unreduced partial "
-                "values, which a checkpoint cannot store; reduce them first, e.g. "
-                "t.redistribute(t.device_mesh, [Replicate() or Shard(d) per mesh dim])")
+                "values, which a checkpoint can neither store nor fill; reduce them first, "
+                "e.g. t.redistribute(t.device_mesh, [Replicate() or Shard(d) per mesh dim])")
         if not isinstance(p, (*_shard_types(), Replicate)):
             raise UnsupportedTypeError(
                 f"{key}: DTensor placement {p!r} on mesh dim {mesh_dim} is not supported; "
