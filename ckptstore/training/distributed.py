@@ -20,6 +20,7 @@ never interleaves with the trainer's own collectives.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -235,15 +236,15 @@ def _layout(key: str, gshape: tuple[int, ...], itemsize: int, regions: list[list
     layout = TensorLayout(gshape, rows, grid, False, ())
     n_chunks = math.prod(-(-n // c) for n, c in zip(gshape, layout.block()))
     owners = [-1] * n_chunks
+    everyone, partial_holders = _holders(layout, regions, whole, n_chunks)
     for c in range(n_chunks):
-        region = layout.region(c)
-        holders = tuple(k for k, reg in enumerate(regions)
-                        if any(box.contains(region) for box in reg))
+        holders = everyone + tuple(partial_holders[c]) if partial_holders[c] else everyone
         if not holders:
+            region = layout.region(c)
             raise CkptStoreError(f"{key}: no rank holds the elements {list(region)} of the "
                                  f"global shape {list(gshape)}: the ranks' shards do not "
                                  "cover the tensor")
-        size = math.prod(hi - lo for lo, hi in region) * itemsize
+        size = math.prod(hi - lo for lo, hi in layout.region(c)) * itemsize
         if len(holders) == 1:
             owners[c] = holders[0]
             load[holders[0]] += size
@@ -251,6 +252,30 @@ def _layout(key: str, gshape: tuple[int, ...], itemsize: int, regions: list[list
             shared.append((size, index, c, holders))
     return TensorLayout(gshape, rows, grid, False, tuple(owners),
                         small=nbytes <= options.pack_threshold)
+
+
+def _holders(layout: TensorLayout, regions: list[list[Box]], whole: list[Box], n_chunks: int
+             ) -> tuple[tuple[int, ...], list[list[int]]]:
+    """(ranks holding the whole tensor, per chunk the other ranks holding it). Chunk
+    boundaries fall on every box boundary, so each box covers whole chunks: they are listed
+    from the boxes (work in proportion to the chunks held, not chunks x ranks)."""
+    block = layout.block()
+    grid = [-(-n // c) for n, c in zip(layout.shape, block)]
+    everyone = tuple(k for k, reg in enumerate(regions) if reg == whole)
+    others: list[list[int]] = [[] for _ in range(n_chunks)]
+    for k, reg in enumerate(regions):
+        if reg == whole:
+            continue
+        for box in reg:
+            spans = [range(s // c, -(-(s + n) // c)) for s, n, c in
+                     zip(box.start, box.shape, block)]
+            for pos in itertools.product(*spans):
+                index = 0
+                for p, g in zip(pos, grid):
+                    index = index * g + p
+                if box.contains(layout.region(index)):
+                    others[index].append(k)
+    return everyone, others
 
 
 def plan_collective(descs: list[list[dict[str, Any]]], options: SaveOptions
