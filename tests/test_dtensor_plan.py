@@ -84,8 +84,12 @@ def test_sharded_dims_cut_finer_for_resharding():
     opts = SaveOptions()  # 16 MiB chunks, 4 MiB minimum for resharding cuts
     (lay,), _load, _r = _check_plan([_mesh_descs("down", (4096, 8192), [0, 1])], opts)
     assert lay.chunk_shape == (512, 2048)  # 32 MiB shards (2048, 4096) cut to 4 MiB chunks
+    # dim 1, which no saving rank splits, is cut too: Shard(1) on restore reads no more
     (lay,), _load, _r = _check_plan([_mesh_descs("up", (8192, 4096), [0, 0])], opts)
-    assert lay.chunk_shape is None and lay.chunk_rows == 512  # row blocks, 4x the shards
+    assert lay.chunk_shape == (512, 2048)
+    # a replicated tensor keeps its row blocks
+    (lay,), _load, _r = _check_plan([_mesh_descs("rep", (8192, 4096), [None, None])], opts)
+    assert lay.chunk_shape is None and lay.chunk_rows == 1024
 
 
 def test_uncovered_tensor_is_refused():

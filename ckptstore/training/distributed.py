@@ -160,8 +160,9 @@ def _regions(descs: list[list[dict[str, Any]]], i: int) -> list[list[Box]]:
             for r in descs]
 
 
-#: a dim the saving ranks shard is cut in pieces at most 1/RESHARD_SPLIT of a shard wide, so
-#: a job sharding it up to that many times finer reads no more than it needs...
+#: the chunks of a tensor the saving ranks shard are cut at most 1/RESHARD_SPLIT of a shard
+#: wide on each dim (of the whole dim where no rank splits it), so that a job sharding any
+#: dim up to that many times finer reads no more than it needs...
 RESHARD_SPLIT = 4
 #: ...as long as chunks stay at least this big (or chunk_bytes, if smaller)
 MIN_RESHARD_CHUNK = 4 << 20
@@ -174,8 +175,8 @@ def _chunk_grid(key: str, gshape: tuple[int, ...], itemsize: int,
     every dim falls on a chunk boundary: each chunk then lies whole inside, or wholly outside,
     each rank's region. Dims other than 0 are split only where some rank's region ends
     (chunks as wide as the narrowest aligned piece); dim 0 in blocks of about chunk_bytes.
-    Then every sharded dim is cut finer (RESHARD_SPLIT, MIN_RESHARD_CHUNK) so that restoring
-    on more ranks sharding the same dims reads only what it needs."""
+    Then the chunks of a sharded tensor are cut finer on every dim (RESHARD_SPLIT,
+    MIN_RESHARD_CHUNK) so that restoring with other placements reads only what it needs."""
     bounds: list[set[int]] = [set() for _ in gshape]
     for box in (b for rank_boxes in regions for b in rank_boxes):
         for d, (a, b) in enumerate(zip(box.start, box.stop)):
@@ -190,19 +191,19 @@ def _chunk_grid(key: str, gshape: tuple[int, ...], itemsize: int,
     target = max(1, min(gshape[0], options.chunk_bytes // inner_bytes if inner_bytes else 1))
     extents = [_aligned_chunk_rows(bounds[0], target, inner_bytes, options.chunk_bytes),
                *pieces[1:]]
-    _refine(extents, pieces, [bool(b) for b in bounds], itemsize,
-            min(options.chunk_bytes, MIN_RESHARD_CHUNK))
+    if any(bounds):  # a sharded tensor: any dim may be sharded differently on restore
+        _refine(extents, pieces, itemsize, min(options.chunk_bytes, MIN_RESHARD_CHUNK))
     if not any(bounds[1:]) and extents[1:] == list(gshape[1:]):
         return extents[0], None
     return extents[0], tuple(extents)
 
 
-def _refine(extents: list[int], pieces: list[int], sharded: list[bool], itemsize: int,
-            min_bytes: int) -> None:
-    """Halve (by divisors, keeping alignment) the chunk extent of the sharded dim that is
-    widest relative to its shard pieces, while it is wider than 1/RESHARD_SPLIT of a piece
-    and the chunk stays at least `min_bytes`."""
-    live = [d for d, s in enumerate(sharded) if s]
+def _refine(extents: list[int], pieces: list[int], itemsize: int, min_bytes: int) -> None:
+    """Halve (by divisors, keeping alignment) the chunk extent of the dim that is widest
+    relative to its pieces (a saving shard's extent; the whole dim where none splits it),
+    while it is wider than 1/RESHARD_SPLIT of a piece and the chunk stays at least
+    `min_bytes`."""
+    live = list(range(len(extents)))
     while live:
         d = max(live, key=lambda k: (extents[k] * RESHARD_SPLIT / pieces[k], -k))
         smaller = _divisors_up_to(extents[d], extents[d] // 2) if extents[d] > 1 else 0
