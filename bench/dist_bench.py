@@ -113,9 +113,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--proposed-fixes",
         action="store_true",
         help="experiment: run ckptstore with the fixes of bench/dist/proposed.py "
-        "monkeypatched in (balanced plan, parallel folder fsync)",
+        "monkeypatched in (parallel folder fsync; the balanced plan is now built in)",
     )
     p.add_argument("--no-reshard", action="store_true", help="skip cross-world restores")
+    p.add_argument(
+        "--dtensor",
+        action="store_true",
+        help="run the DTensor resharding benchmark instead (bench/dist/dtensor.py): a 2x2 "
+        "mesh FSDP+TP-like state saved on 4 ranks, restored on 2 and 4 with other placements",
+    )
+    p.add_argument("--dt-width", type=int, default=1024, help="--dtensor: model width")
+    p.add_argument("--dt-hidden", type=int, default=2048, help="--dtensor: MLP hidden size")
+    p.add_argument("--dt-layers", type=int, default=4, help="--dtensor: layers")
+    p.add_argument("--dt-rounds", type=int, default=2, help="--dtensor: restores per phase")
     p.add_argument(
         "--tmp",
         default="",
@@ -205,8 +215,33 @@ def run_phase(
     }
 
 
+def run_dtensor(args: argparse.Namespace) -> int:
+    from dist import dtensor
+
+    scratch = Path(args.tmp or tempfile.mkdtemp(prefix="dt-bench-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        res = dtensor.run(args, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    res["seconds"] = time.perf_counter() - t0
+    res["load_end"] = loadavg()
+    res["command"] = "python " + " ".join(sys.argv)
+    lines = dtensor.summary(res)
+    print("\n".join(lines))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dtensor:
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))
+        return run_dtensor(args)
     shard_mib = args.size_mib if args.shard_mib is None else args.shard_mib
     worlds = list(dict.fromkeys(args.ranks))
     os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))

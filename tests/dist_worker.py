@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import traceback
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -155,6 +156,257 @@ def load_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
             f.write("ok")
     except BaseException:
         with open(os.path.join(out_dir, f"load-{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- DTensor resharding
+# Each tensor: (shape, dtype, placements on the 2x2 save mesh). Placement codes: "S<d>" is
+# Shard(d), "R" is Replicate().
+DT_SPECS: dict[str, tuple[tuple[int, ...], str, list[str]]] = {
+    "a": ((16, 12), "float32", ["S0", "S1"]),
+    "b": ((7, 5), "float64", ["S0", "S1"]),  # uneven on both dims
+    "c": ((10, 6), "bfloat16", ["S1", "S0"]),
+    "d": ((9, 8), "uint8", ["S0", "S0"]),  # two mesh dims shard dim 0
+    "f": ((7, 4), "float32", ["S0", "S0"]),  # 7 rows on 4 ranks: 2, 2, 2, 1
+    "r": ((300, 20), "float32", ["R", "R"]),  # replicated: chunks balanced over ranks
+    "h": ((6, 40), "float32", ["R", "S1"]),  # replicated over mesh dim 0
+}
+# how the 2-rank and 3-rank jobs ask for them back (1-D meshes)
+DT_LOAD = {2: {"a": ["S1"], "b": ["S1"], "c": ["S0"], "d": ["S1"], "f": ["S0"], "r": ["R"],
+               "h": ["S0"]},
+           3: {"a": ["S0"], "b": ["S0"], "c": ["S1"], "d": ["R"], "f": ["S1"], "r": ["S0"],
+               "h": ["S1"]}}
+# saved by the 2-rank job with a 1-D mesh and Shard(1), read back by 3 ranks as Shard(2)/R
+DT_3D = {"x": ((5, 6, 9), "float32", ["S1"], ["S2"]), "y": ((4, 7, 3), "float64", ["S1"], ["R"])}
+
+
+def dt_truth(name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    if dtype == "uint8":
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(getattr(torch, dtype))
+
+
+def _placements(codes: list[str]) -> list:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    return [Replicate() if c == "R" else DShard(int(c[1:])) for c in codes]
+
+
+def _dt(full: torch.Tensor, mesh, codes: list[str]):
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, mesh, _placements(codes))
+
+
+def _load_measured(root: str, name: str, into) -> tuple[int, int]:
+    """Load `name` into `into` (in place); (bytes read, bytes the local parts hold)."""
+    import ckptstore
+    from ckptstore.pipeline.loading import load_state
+    from ckptstore.pipeline.reader import CheckpointReader
+
+    repo = ckptstore.CheckpointStore(root, create=False)
+    reader = CheckpointReader(repo.store, repo.load_options)
+    load_state(reader, repo.manifest(name), into=into)
+    needed = sum(v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
+                 for v in into.values())
+    repo.close()
+    return reader.bytes_read, needed
+
+
+def dtensor_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
+                   mode: str) -> None:
+    """mode "save4": 2x2 mesh saves DT_SPECS. "load2": 1-D mesh of 2 reads them back with
+    DT_LOAD[2] and saves DT_3D with Shard(1). "load3": reads both back on a mesh of 3.
+    Writes a JSON line of bytes read/needed per rank to out_dir."""
+    import json
+
+    try:
+        _init(rank, world, init_file)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import ckptstore
+
+        report: dict = {}
+        if mode == "save4":
+            mesh = init_device_mesh("cpu", (2, 2))
+            state = {k: _dt(dt_truth(k, s, d), mesh, p) for k, (s, d, p) in DT_SPECS.items()}
+            state["step"] = torch.tensor(5)
+            mgr = ckptstore.CheckpointManager(root, chunk_bytes=4096)
+            mgr.save(1, state)
+            # the same state by an async save that copies blocks in the background
+            amgr = ckptstore.CheckpointManager(root + "-overlap", async_save=True,
+                                               staging="overlap", max_host_bytes=1 << 16,
+                                               chunk_bytes=4096)
+            info = amgr.save(1, state).wait()
+            assert info.staging == "overlap", info.staging
+            amgr.close()
+            from torch.distributed.tensor import DTensor, Partial, Replicate
+
+            partial = DTensor.from_local(torch.ones(3), mesh, [Partial(), Replicate()])
+            try:
+                mgr.save(2, {"p": partial})
+                raise AssertionError("a Partial() DTensor was saved")
+            except (ckptstore.CkptStoreError, TypeError) as exc:
+                assert "redistribute" in str(exc), str(exc)
+            mgr.close()
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+            into = {k: _dt(torch.zeros(s, dtype=getattr(torch, d)), mesh, DT_LOAD[world][k])
+                    for k, (s, d, _p) in DT_SPECS.items()}
+            read, needed = _load_measured(root, "step-1", into)
+            report["read"], report["needed"] = read, needed
+            for k, (s, d, _p) in DT_SPECS.items():
+                want = _dt(dt_truth(k, s, d), mesh, DT_LOAD[world][k]).to_local()
+                assert torch.equal(into[k].to_local(), want), k
+            if mode == "load2":
+                mgr = ckptstore.CheckpointManager(root, chunk_bytes=4096)
+                mgr.save(2, {k: _dt(dt_truth(k, s, d), mesh, p)
+                             for k, (s, d, p, _q) in DT_3D.items()})
+                mgr.close()
+            else:
+                into3 = {k: _dt(torch.zeros(s, dtype=getattr(torch, d)), mesh, q)
+                         for k, (s, d, _p, q) in DT_3D.items()}
+                mgr = ckptstore.CheckpointManager(root)
+                assert mgr.restore(into3, step=2) == 2
+                mgr.close()
+                for k, (s, d, _p, _q) in DT_3D.items():
+                    assert torch.equal(into3[k].full_tensor(), dt_truth(k, s, d)), k
+        with open(os.path.join(out_dir, f"dt-{rank}"), "w") as f:
+            f.write("ok " + json.dumps(report))
+    except BaseException:
+        with open(os.path.join(out_dir, f"dt-{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- FSDP2 + TP and Adam
+TP_STEPS, TP_MORE = 3, 2  # steps before the checkpoint, steps after it
+
+
+class TPNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 32, dtype=torch.float64)  # column-wise parallel
+        self.down = torch.nn.Linear(32, 6, dtype=torch.float64)  # row-wise parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _tp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return (torch.randn(8, 8, generator=g, dtype=torch.float64),
+            torch.randn(8, 6, generator=g, dtype=torch.float64))
+
+
+def _tp_model(world: int, seed: int):
+    """world 4: 2x2 mesh, tensor parallel on "tp" and FSDP2 on "dp" (strided shards);
+    world 2: tensor parallel only. Returns (model, optimizer, this rank's batch slice)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(seed)
+    model = TPNet()
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh["dp"])
+        dp = mesh["dp"].get_local_rank()
+        rows = slice(4 * dp, 4 * dp + 4)  # the global batch of 8, split over dp
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        rows = slice(0, 8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt, rows
+
+
+def _tp_train(model, opt, rows: slice, steps: range) -> None:
+    for step in steps:
+        x, y = _tp_batch(step)
+        opt.zero_grad()
+        loss = ((model(x[rows]) - y[rows]) ** 2).mean()
+        loss.backward()
+        opt.step()
+
+
+def _full_states(model, opt) -> dict[str, np.ndarray]:
+    """Every parameter and Adam state as full numpy arrays (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    out = {}
+    for k, v in msd.items():
+        out[f"model.{k}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v
+                             ).detach().numpy().copy()  # a copy: the values move on
+    for k, st in osd["state"].items():
+        for name, v in st.items():
+            out[f"optim.{k}.{name}"] = (v.full_tensor() if hasattr(v, "full_tensor")
+                                        else v).detach().numpy().copy()
+    return out
+
+
+def tp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
+              mode: str) -> None:
+    """mode "train4": FSDP2+TP on 4 ranks, TP_STEPS steps, save, then TP_MORE more steps
+    (the uninterrupted run). "resume2": TP on 2 ranks from a different init, restore, train
+    TP_MORE steps, save. "resume4": FSDP2+TP on 4 ranks restores that. Rank 0 writes .npz
+    files of the full states."""
+    try:
+        _init(rank, world, init_file)
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        import ckptstore
+
+        if mode != "resume4":
+            model, opt, rows = _tp_model(world, seed=1 if mode == "train4" else 2)
+        mgr = ckptstore.CheckpointManager(root, chunk_bytes=512)
+        if mode == "train4":
+            _tp_train(model, opt, rows, range(TP_STEPS))
+            msd, osd = get_state_dict(model, opt)
+            mgr.save(TP_STEPS, {"model": msd, "optim": osd})
+            saved = _full_states(model, opt)
+            _tp_train(model, opt, rows, range(TP_STEPS, TP_STEPS + TP_MORE))
+            final = _full_states(model, opt)
+        elif mode == "resume2":
+            msd, osd = get_state_dict(model, opt)  # initialised states to fill in place
+            assert mgr.restore({"model": msd, "optim": osd}) == TP_STEPS
+            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+            saved = _full_states(model, opt)
+            _tp_train(model, opt, rows, range(TP_STEPS, TP_STEPS + TP_MORE))
+            final = _full_states(model, opt)
+            msd, osd = get_state_dict(model, opt)
+            mgr.save(TP_STEPS + TP_MORE, {"model": msd, "optim": osd})
+        else:  # "resume4": the 2-rank checkpoint back into FSDP2 + TP (strided shards)
+            model, opt, rows = _tp_model(4, seed=3)
+            msd, osd = get_state_dict(model, opt)
+            assert mgr.restore({"model": msd, "optim": osd}) == TP_STEPS + TP_MORE
+            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+            saved = final = _full_states(model, opt)
+        mgr.close()
+        if rank == 0:
+            np.savez(os.path.join(out_dir, "saved.npz"), **saved)
+            np.savez(os.path.join(out_dir, "final.npz"), **final)
+        with open(os.path.join(out_dir, f"tp-{rank}"), "w") as f:
+            f.write("ok")
+    except BaseException:
+        with open(os.path.join(out_dir, f"tp-{rank}"), "w") as f:
             f.write(traceback.format_exc())
         raise
     finally:

@@ -28,10 +28,13 @@ class ArrayLeaf:
     storage_stride: tuple[int, ...] = ()
     global_shape: tuple[int, ...] | None = None  # set when `array` is only some rows (a shard)
     row_offset: int = 0  # first global row of `array` when sharded
+    #: when sharded along other dims too (a DTensor): where `array` lies in the global tensor,
+    #: per dim (see format/regions.py); None: rows from `row_offset` on dim 0
+    region_runs: tuple[tuple[tuple[int, int, int], ...], ...] | None = None
 
     @property
     def is_partial(self) -> bool:
-        """True if this process holds only some rows of the stored tensor."""
+        """True if this process holds only part of the stored tensor."""
         return self.global_shape is not None and tuple(self.array.shape) != self.global_shape
 
     @property

@@ -70,7 +70,11 @@ class StorageRef:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One stored array. `chunk_rows` rows of dim 0 per chunk (0-d arrays: one chunk)."""
+    """One stored array, split into a regular grid of chunks listed in C order of their grid
+    position. By default the chunks are row blocks: `chunk_rows` rows of dim 0 each (0-d
+    arrays: one chunk). With `chunk_shape` (an N-D grid, e.g. written by a job that sharded
+    dim 1) each chunk is the C-order block of that shape at its grid position, cut at the
+    array's edges; `chunk_shape[0] == chunk_rows` always."""
 
     key: str
     kind: str
@@ -82,17 +86,34 @@ class TensorEntry:
     requires_grad: bool = False
     parameter: bool = False
     storage: StorageRef | None = None
+    chunk_shape: tuple[int, ...] | None = None  # None: row blocks (chunk_rows, *shape[1:])
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
+    def is_grid(self) -> bool:
+        """True if chunks split some dimension other than dim 0 (an N-D chunk grid)."""
+        return self.chunk_shape is not None
+
+    def block_shape(self) -> tuple[int, ...]:
+        """The full shape of one chunk (edge chunks are cut to the array)."""
+        if self.chunk_shape is not None:
+            return self.chunk_shape
+        return (self.chunk_rows, *self.shape[1:]) if self.shape else ()
+
+    def chunk_region(self, index: int) -> tuple[tuple[int, int], ...]:
+        """[start, stop) per dimension of chunk `index` (0-d: ())."""
+        return chunk_region(self.shape, self.block_shape(), index)
+
+    @property
     def row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * self.dtype.itemsize
 
     def chunk_count(self) -> int:
-        return expected_chunk_count(self.shape, self.chunk_rows, self.dtype.itemsize)
+        return expected_chunk_count(self.shape, self.chunk_rows, self.dtype.itemsize,
+                                    self.chunk_shape)
 
     def chunk_rows_range(self, index: int) -> tuple[int, int]:
         """Rows [start, stop) of dim 0 held by chunk `index` (0-d: (0, 1))."""
@@ -104,6 +125,8 @@ class TensorEntry:
     def zarr_chunk_shape(self) -> list[int]:
         if not self.shape:
             return []
+        if self.chunk_shape is not None:
+            return list(self.chunk_shape)
         return [max(1, self.chunk_rows)] + [max(1, d) for d in self.shape[1:]]
 
     def to_json(self) -> dict[str, Any]:
@@ -128,6 +151,8 @@ class TensorEntry:
             attrs["parameter"] = self.parameter
         if self.storage is not None:
             attrs["storage"] = self.storage.to_json()
+        if self.chunk_shape is not None:
+            attrs["chunk_shape"] = list(self.chunk_shape)
         return {
             "zarr_format": 3, "node_type": "array", "shape": list(self.shape),
             "data_type": self.dtype.zarr_data_type,
@@ -145,12 +170,27 @@ def extent_ok(shape: tuple[int, ...], itemsize: int, storage_nbytes: int = 0) ->
     return elements * itemsize <= MAX_TENSOR_BYTES and storage_nbytes <= MAX_TENSOR_BYTES
 
 
-def expected_chunk_count(shape: tuple[int, ...], chunk_rows: int, itemsize: int) -> int:
+def expected_chunk_count(shape: tuple[int, ...], chunk_rows: int, itemsize: int,
+                         chunk_shape: tuple[int, ...] | None = None) -> int:
     if not shape:
         return 1
     if math.prod(shape) * itemsize == 0:
         return 0
+    if chunk_shape is not None:
+        return math.prod(-(-n // c) for n, c in zip(shape, chunk_shape))
     return -(-shape[0] // chunk_rows)
+
+
+def chunk_region(shape: tuple[int, ...], block: tuple[int, ...], index: int
+                 ) -> tuple[tuple[int, int], ...]:
+    """[start, stop) per dimension of chunk `index` of the regular grid of `block`s over
+    `shape`, chunks numbered in C order of their grid position."""
+    out: list[tuple[int, int]] = []
+    for n, c in zip(reversed(shape), reversed(block)):
+        per = max(1, -(-n // c))
+        index, pos = divmod(index, per)
+        out.append((pos * c, min(n, (pos + 1) * c)))
+    return tuple(reversed(out))
 
 
 @dataclass(frozen=True)
@@ -248,6 +288,10 @@ def entry_problem(e: TensorEntry) -> str | None:
         return f"shape {list(shape)} of {dtype.name} declares more than {MAX_TENSOR_BYTES} bytes"
     if type(rows) is not int or not (1 if shape else 0) <= rows <= _HI:
         return _int_problem(rows, "chunk_rows", 1 if shape else 0)
+    if e.chunk_shape is not None:
+        problem = _grid_problem(e)
+        if problem is not None:
+            return problem
     if codec is not None and (type(codec) is not Codec or type(codec.id) is not str
                               or type(codec.level) is not int
                               or not -100 <= codec.level <= 100):
@@ -265,6 +309,18 @@ def entry_problem(e: TensorEntry) -> str | None:
         if problem is not None:
             return problem
     return _chunks_problem(e)
+
+
+def _grid_problem(e: TensorEntry) -> str | None:
+    grid = e.chunk_shape
+    if type(grid) is not tuple or len(grid) != len(e.shape) or not e.shape:
+        return "chunk_shape must list one extent per dimension"
+    for c in grid:
+        if type(c) is not int or not 1 <= c <= _HI:
+            return _int_problem(c, "chunk_shape", 1)
+    if grid[0] != e.chunk_rows:
+        return "chunk_shape[0] differs from chunk_rows"
+    return None
 
 
 def _storage_problem(e: TensorEntry) -> str | None:
@@ -297,9 +353,11 @@ def _chunks_problem(e: TensorEntry) -> str | None:
     itemsize = e.dtype.itemsize
     if type(chunks) is not tuple:
         return "chunks must be a list"
-    want_count = expected_chunk_count(shape, rows, itemsize)
+    grid = e.chunk_shape
+    want_count = expected_chunk_count(shape, rows, itemsize, grid)
     if len(chunks) != want_count:
-        return f"{len(chunks)} chunks listed, shape and chunk_rows give {want_count}"
+        return (f"{len(chunks)} chunks listed, shape and "
+                f"{'chunk_rows' if grid is None else 'chunk_shape'} give {want_count}")
     row_bytes = math.prod(shape[1:]) * itemsize
     digests = []
     for i, c in enumerate(chunks):
@@ -311,7 +369,9 @@ def _chunks_problem(e: TensorEntry) -> str | None:
                 or not (0 <= offset <= _HI and 0 <= size <= 2 * MAX_CHUNK_BYTES
                         and 0 <= nbytes <= MAX_CHUNK_BYTES)):
             return _chunk_field_problem(i, c)
-        if shape:
+        if grid is not None:
+            want = math.prod(b - a for a, b in chunk_region(shape, grid, i)) * itemsize
+        elif shape:
             start = i * rows
             want = (min(shape[0], start + rows) - start) * row_bytes
         else:
@@ -379,7 +439,10 @@ def _entry_json(e: TensorEntry) -> str:
         torch_attrs += (f',"storage":{{"id":{st.id},"nbytes":{st.nbytes},"offset":{st.offset},'
                         f'"stride":[{",".join(map(str, st.stride))}]}}')
     grid = ",".join(map(str, e.zarr_chunk_shape()))
-    return (f'{{"attributes":{{"ckptstore":{{"chunk_rows":{e.chunk_rows},"chunks":[{chunks}],'
+    grid_attr = ("" if e.chunk_shape is None else
+                 f'"chunk_shape":[{",".join(map(str, e.chunk_shape))}],')
+    return (f'{{"attributes":{{"ckptstore":{{"chunk_rows":{e.chunk_rows},{grid_attr}'
+            f'"chunks":[{chunks}],'
             f'"codec":{codec_json},"dtype":"{e.dtype.name}","key":{_json_str(e.key)},'
             f'"kind":"{e.kind}"{torch_attrs}}}}},'
             f'"chunk_grid":{{"configuration":{{"chunk_shape":[{grid}]}},"name":"regular"}},'

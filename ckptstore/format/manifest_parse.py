@@ -42,6 +42,7 @@ _CHUNK_FIELDS = frozenset({"blob", "offset", "size", "nbytes", "digest"})
 _STORAGE_FIELDS = frozenset({"id", "nbytes", "offset", "stride"})
 _BASE_ATTRS = frozenset({"key", "kind", "dtype", "chunk_rows", "codec", "chunks"})
 _TORCH_ATTRS = _BASE_ATTRS | {"requires_grad", "parameter"}
+_GRID_ATTR = frozenset({"chunk_shape"})  # present only for an N-D chunk grid
 #: (kind, has storage) -> the exact attribute fields `to_json` writes
 _ATTR_FIELDS = {("torch", False): _TORCH_ATTRS, ("torch", True): _TORCH_ATTRS | {"storage"},
                 ("numpy", False): _BASE_ATTRS, ("bytes", False): _BASE_ATTRS}
@@ -90,8 +91,13 @@ def _fast_tensor(doc: Any) -> TensorEntry | None:
     attrs = doc["attributes"]
     if type(attrs) is not dict or len(attrs) != 1 or type(a := attrs.get("ckptstore")) is not dict:
         return None
-    kind, storage_doc = a.get("kind"), a.get("storage")
-    if type(kind) is not str or a.keys() != _ATTR_FIELDS.get((kind, storage_doc is not None)):
+    kind, storage_doc, grid_doc = a.get("kind"), a.get("storage"), a.get("chunk_shape")
+    if type(kind) is not str:
+        return None
+    fields = _ATTR_FIELDS.get((kind, storage_doc is not None))
+    if fields is None or a.keys() != (fields if grid_doc is None else fields | _GRID_ATTR):
+        return None
+    if grid_doc is not None and type(grid_doc) is not list:
         return None
     shape, chunk_docs, dtype_name = doc["shape"], a["chunks"], a["dtype"]
     if type(shape) is not list or type(chunk_docs) is not list or type(dtype_name) is not str:
@@ -117,7 +123,7 @@ def _fast_tensor(doc: Any) -> TensorEntry | None:
         return None
     entry = TensorEntry(a["key"], kind, dtype, tuple(shape), a["chunk_rows"], codec,
                         tuple(chunks), a.get("requires_grad", False), a.get("parameter", False),
-                        storage)
+                        storage, None if grid_doc is None else tuple(grid_doc))
     if entry_problem(entry) is not None:
         return None
     if (doc["zarr_format"], doc["node_type"], doc["data_type"], doc["chunk_key_encoding"],
@@ -146,7 +152,7 @@ def _parse_tensor(doc: Any, index: int) -> TensorEntry:
         raise _fail(where, "not zarr v3 array metadata")
     attrs = _dict(d["attributes"], f"{where}.attributes", {"ckptstore"})
     a = _dict(attrs["ckptstore"], f"{where}.attributes.ckptstore", _BASE_ATTRS,
-              {"requires_grad", "parameter", "storage"})
+              {"requires_grad", "parameter", "storage", "chunk_shape"})
     if isinstance(a["key"], str):
         where = f"tensor {a['key']!r:.200}"
     dtype = by_name(a["dtype"])
@@ -166,7 +172,9 @@ def _parse_tensor(doc: Any, index: int) -> TensorEntry:
         shape=tuple(_list(d["shape"], f"{where}.shape")), chunk_rows=a["chunk_rows"],
         codec=parse_codec(a["codec"]), chunks=tuple(chunks),
         requires_grad=a.get("requires_grad", False), parameter=a.get("parameter", False),
-        storage=storage)
+        storage=storage,
+        chunk_shape=(None if "chunk_shape" not in a else
+                     tuple(_list(a["chunk_shape"], f"{where}.chunk_shape"))))
     problem = entry_problem(entry)
     if problem is not None:
         raise _fail(where, problem)

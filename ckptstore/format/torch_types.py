@@ -17,6 +17,7 @@ except ModuleNotFoundError as _exc:
 from . import dtypes
 from .leaf import ArrayLeaf
 from .manifest import TensorEntry
+from .regions import Runs
 
 # torch dtypes numpy lacks are viewed as unsigned ints of the same width
 _BITS_VIEW = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
@@ -97,45 +98,107 @@ def tensor_leaf(t: Any, key: str) -> ArrayLeaf:
     )
 
 
-def _dtensor_leaf(local: tuple[torch.Tensor, tuple[int, int] | None, tuple[int, ...]],
+def _dtensor_leaf(local: tuple[torch.Tensor, Runs | None, tuple[int, ...]],
                   key: str, requires_grad: bool, parameter: bool) -> ArrayLeaf:
-    """The leaf of a DTensor's local part: its rows of the global tensor when sharded."""
-    tensor, rows, global_shape = local
+    """The leaf of a DTensor's local part: where it lies in the global tensor when sharded."""
+    tensor, runs, global_shape = local
     leaf = tensor_leaf(tensor, key)
     leaf.requires_grad, leaf.parameter = requires_grad, parameter
-    if rows is not None:
-        leaf.global_shape, leaf.row_offset = global_shape, rows[0]
+    if runs is not None:
+        leaf.global_shape, leaf.region_runs = global_shape, runs
+        leaf.row_offset = runs[0][0][1] if runs and runs[0] else 0
         leaf.storage_identity = None
     return leaf
 
 
-def dtensor_local(t: Any, key: str
-                  ) -> tuple[torch.Tensor, tuple[int, int] | None, tuple[int, ...]] | None:
-    """For a DTensor: (local tensor, its global rows or None if replicated, global shape).
-    None for any other tensor. Supports 1-D meshes with Shard(0) or Replicate placements."""
+def dtensor_local(t: Any, key: str) -> tuple[torch.Tensor, Runs | None, tuple[int, ...]] | None:
+    """For a DTensor: (local tensor, where it lies in the global tensor as per-dim runs
+    (format/regions.py) or None when it holds the whole tensor, global shape). None for any
+    other tensor.
+
+    Any device mesh, any mix of Shard(d), Replicate() and strided shards (FSDP2 over tensor
+    parallelism), several mesh dims sharding one tensor dim, uneven splits: the global
+    indexes of the local part are what torch itself computes, mesh dim after mesh dim
+    (torch.distributed.tensor._utils, as its compute_local_shape_and_global_offset does).
+    Partial() raises UnsupportedTypeError saying what to do."""
     cls = type(t)
     if cls.__name__ != "DTensor" or not cls.__module__.startswith("torch.distributed"):
         return None
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor import Partial, Replicate
 
     placements = tuple(t.placements)
     mesh = t.device_mesh
     global_shape = tuple(int(s) for s in t.shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise UnsupportedTypeError(
+                f"{key}: DTensor placement {p} on mesh dim {mesh_dim} holds unreduced partial "
+                "values, which a checkpoint can neither store nor fill; reduce them first, "
+                "e.g. t.redistribute(t.device_mesh, [Replicate() or Shard(d) per mesh dim])")
+        if not isinstance(p, (*_shard_types(), Replicate)):
+            raise UnsupportedTypeError(
+                f"{key}: DTensor placement {p!r} on mesh dim {mesh_dim} is not supported; "
+                "redistribute to Shard(d) or Replicate() placements before saving or loading")
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise UnsupportedTypeError(f"{key}: this rank is not part of the DTensor's device mesh")
     local = t.to_local()
-    if mesh.ndim != 1 or len(placements) != 1:
-        raise UnsupportedTypeError(f"{key}: only DTensors on a 1-D device mesh are supported")
-    placement = placements[0]
-    if isinstance(placement, Replicate):
+    runs = _local_runs(global_shape, tuple(mesh.shape), coordinate, placements)
+    shape = tuple(sum(n for _l, _g, n in r) for r in runs)
+    if shape != tuple(local.shape):
+        raise UnsupportedTypeError(f"{key}: DTensor local tensor of shape {tuple(local.shape)} "
+                                   f"differs from its placements' local shape {shape}")
+    if runs == tuple(((0, 0, n),) if n else () for n in global_shape):
         return local, None, global_shape
-    if not (isinstance(placement, DShard) and placement.dim == 0):
-        raise UnsupportedTypeError(f"{key}: DTensor placement {placement} is not supported "
-                                   "(use Shard(0) or Replicate())")
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    return local, runs, global_shape
 
-    _shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-    start = int(offset[0]) if local.shape[0] else global_shape[0]
-    return local, (start, start + int(local.shape[0])), global_shape
+
+def _tensor_runs(index: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """`index_runs` of a 1-D index tensor, without a Python loop over its elements."""
+    index = index.reshape(-1).to(torch.int64)
+    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).reshape(-1) + 1).tolist()
+    starts = [0, *breaks]
+    stops = [*breaks, int(index.numel())]
+    return tuple((a, int(index[a]), b - a) for a, b in zip(starts, stops))
+
+
+def _shard_types() -> tuple[type, ...]:
+    """Shard and, where this torch has it, _StridedShard (not a Shard subclass)."""
+    from torch.distributed.tensor import Shard as DShard
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return (DShard,)
+    return (DShard, _StridedShard)
+
+
+def _local_runs(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                coordinate: Any, placements: tuple[Any, ...]) -> Runs:
+    """Per dim, the runs of global indexes this mesh coordinate holds."""
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+
+    sizes = list(global_shape)
+    indexes: dict[int, Any] = {}
+    for mesh_dim, placement in enumerate(placements):
+        if not isinstance(placement, _shard_types()):
+            continue
+        p: Any = placement
+        d = p.dim
+        size, index = _get_shard_size_and_offsets(
+            sizes[d], mesh_shape[mesh_dim], int(coordinate[mesh_dim]), p, indexes.get(d),
+            global_shape[d], False)
+        sizes[d] = int(size)
+        indexes[d] = index
+    runs: list[tuple[tuple[int, int, int], ...]] = []
+    for d, n in enumerate(global_shape):
+        if sizes[d] == 0:
+            runs.append(())
+        elif d in indexes:
+            runs.append(_tensor_runs(indexes[d]))
+        else:
+            runs.append(((0, 0, n),))
+    return tuple(runs)
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray | None:

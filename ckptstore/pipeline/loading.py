@@ -14,8 +14,10 @@ from ..collector import paused_collector
 from ..errors import FormatError, KeyMismatchError
 from ..format import tree as tree_mod
 from ..format.manifest import Manifest, TensorEntry
+from ..format.regions import Runs, block_runs, single_offset
 from ..format.shard import Shard
 from .reader import CheckpointReader, ReadTarget
+from .regions import RegionReads
 
 Finish = Callable[[], None] | None
 
@@ -78,17 +80,47 @@ def _torch_interop() -> Any:
     return torch_interop
 
 
-def local_part(dest: Any, key: str) -> tuple[Any, tuple[int, int] | None, tuple[int, ...]]:
-    """(local array, rows it holds or None for all, global shape) of an `into=` destination:
-    a Shard, a DTensor (Shard(0) or Replicate), or a plain tensor/array."""
+def local_part(dest: Any, key: str) -> tuple[Any, Runs | None, tuple[int, ...]]:
+    """(local array, where it lies in the global tensor (format/regions.py) or None when it
+    holds the whole tensor, global shape) of an `into=` destination: a Shard (rows of dim
+    0), a DTensor (any mesh and Shard/Replicate placements), or a plain tensor/array."""
     if isinstance(dest, Shard):
-        return dest.data, dest.rows, dest.global_shape
+        ndim = len(dest.global_shape)
+        offset = (dest.offset,) + (0,) * (ndim - 1)
+        return dest.data, block_runs(offset, tuple(dest.data.shape)), dest.global_shape
     if not isinstance(dest, np.ndarray):
-        found: tuple[Any, tuple[int, int] | None, tuple[int, ...]] | None = (
+        found: tuple[Any, Runs | None, tuple[int, ...]] | None = (
             _torch_interop().dtensor_local(dest, key))
         if found is not None:
             return found
     return dest, None, tuple(dest.shape)
+
+
+def _row_range(entry: TensorEntry, local_shape: tuple[int, ...],
+               runs: Runs | None) -> tuple[bool, tuple[int, int] | None]:
+    """(True, rows or None for all) when the region can be read as rows of row-block chunks
+    straight into its buffer; (False, None) when it needs the region path (`RegionReads`)."""
+    if entry.is_grid:
+        return False, None
+    if runs is None:
+        return True, None
+    offset = single_offset(runs)
+    if offset is None or not local_shape or tuple(local_shape[1:]) != tuple(entry.shape[1:]):
+        return False, None
+    return True, (offset[0], offset[0] + local_shape[0])
+
+
+def _runs_fit(runs: Runs, local_shape: tuple[int, ...], gshape: tuple[int, ...]) -> bool:
+    """The runs lie inside the global shape and exactly cover the local shape."""
+    if len(runs) != len(gshape) or len(local_shape) != len(gshape):
+        return False
+    for dim_runs, n_local, n_global in zip(runs, local_shape, gshape):
+        if sum(n for _l, _g, n in dim_runs) != n_local:
+            return False
+        if any(not (0 <= loc and loc + n <= n_local and 0 <= g and g + n <= n_global)
+               for loc, g, n in dim_runs):
+            return False
+    return True
 
 
 def _check_numpy_dest(dest: Any, entry: TensorEntry) -> str | None:
@@ -125,15 +157,16 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
         torch_mat = None
         values: dict[int, Any] = {}
         targets: list[ReadTarget] = []
+        regions = RegionReads(reader)
         finishers: list[Callable[[], None]] = []
         for i in selected:
             entry = manifest.tensors[i]
             key = key_of.get(i, "")
+            dest: Any = None
+            runs: Runs | None = None
             original = dests.get(key)
-            rows = None
-            dest = None
             if original is not None:
-                dest, rows, _gshape = local_part(original, key)
+                dest, runs, _gshape = local_part(original, key)
             try:
                 if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
                     if torch_mat is None:
@@ -150,10 +183,16 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
                                   f"{list(entry.shape)}: {type(exc).__name__}: {exc}") from None
             values[i] = original if original is not None else value
             if buf.nbytes:
-                targets.append(ReadTarget(entry, buf, rows))
+                local_shape = tuple(dest.shape) if dest is not None else entry.shape
+                by_rows, rows = _row_range(entry, local_shape, runs)
+                if by_rows:
+                    targets.append(ReadTarget(entry, buf, rows))
+                else:
+                    regions.add(entry, buf, local_shape, runs)
             if fin is not None:
                 finishers.append(fin)
     reader.read_tensors(targets)
+    regions.run()
     for fin in finishers:
         fin()
     for i in selected:
@@ -194,12 +233,14 @@ def _check_into(manifest: Manifest, selected: list[int], key_of: dict[int, str],
         if original is None:
             continue
         entry = manifest.tensors[i]
-        dest, rows, gshape = local_part(original, key)
-        local_shape = entry.shape if rows is None else (rows[1] - rows[0], *entry.shape[1:])
+        dest, runs, gshape = local_part(original, key)
         if gshape != entry.shape:
             why: str | None = f"destination shape {gshape} != stored {entry.shape}"
-        elif tuple(dest.shape) != local_shape:
-            why = f"destination holds shape {tuple(dest.shape)}, its rows need {local_shape}"
+        elif runs is None and tuple(dest.shape) != entry.shape:
+            why = f"destination holds shape {tuple(dest.shape)}, the tensor is {entry.shape}"
+        elif runs is not None and not _runs_fit(runs, tuple(dest.shape), gshape):
+            why = (f"destination of shape {list(dest.shape)} at {[list(r) for r in runs]} "
+                   f"does not fit the stored shape {list(gshape)}")
         elif isinstance(dest, np.ndarray):
             why = _check_numpy_dest(dest, entry)
         else:

@@ -247,7 +247,7 @@ def _tensor_change(a: TensorEntry, b: TensorEntry) -> str | None:
         return "requires_grad/Parameter flag differs"
     da = [c.digest for c in a.chunks]
     db = [c.digest for c in b.chunks]
-    if a.chunk_rows != b.chunk_rows and len(da) + len(db) > 2:
+    if a.block_shape() != b.block_shape() and len(da) + len(db) > 2:
         return "chunked differently: contents not comparable by digest"
     n = sum(x != y for x, y in zip(da, db))
     if n:

@@ -15,8 +15,11 @@ instead of reading as the fill value.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -104,12 +107,26 @@ class CheckpointZarrStore(Store):
             idx = [int(p) for p in parts[1:]]
         except ValueError:
             return None
-        if any(i != 0 for i in idx[1:]) or not 0 <= idx[0] < len(entry.chunks):
+        grid = _grid(entry)
+        if not entry.chunks or any(not 0 <= i < g for i, g in zip(idx, grid)):
             return None
-        return entry, idx[0]
+        index = 0
+        for i, g in zip(idx, grid):
+            index = index * g + i
+        return entry, index
 
     def _read_chunk(self, entry: TensorEntry, index: int) -> bytes:
         """Decoded, verified bytes of one chunk, zero-padded to the full chunk shape."""
+        if entry.is_grid:
+            extents = tuple(b - a for a, b in entry.chunk_region(index))
+            part = np.empty(math.prod(extents) * entry.dtype.itemsize, np.uint8)
+            one = replace(entry, shape=extents, chunk_rows=extents[0], chunk_shape=None,
+                          chunks=(entry.chunks[index],), storage=None)
+            self._reader.read_tensors([ReadTarget(one, part)])
+            block = entry.block_shape()
+            full = np.zeros((*block, entry.dtype.itemsize), np.uint8)
+            full[tuple(slice(0, n) for n in extents)] = part.reshape(*extents, -1)
+            return full.tobytes()
         full_rows = entry.chunk_rows if entry.shape else 1
         start, stop = entry.chunk_rows_range(index)
         row_bytes = entry.row_bytes if entry.shape else entry.dtype.itemsize
@@ -148,11 +165,11 @@ class CheckpointZarrStore(Store):
     def _all_keys(self) -> list[str]:
         keys = list(self._docs)
         for node, entry in self._arrays.items():
-            tail = "/0" * (len(entry.shape) - 1)
             if not entry.shape:
                 keys.extend(f"{node}/c" for _ in entry.chunks)
-            else:
-                keys.extend(f"{node}/c/{i}{tail}" for i in range(len(entry.chunks)))
+            elif entry.chunks:
+                keys.extend(f"{node}/c/" + "/".join(map(str, pos))
+                            for pos in itertools.product(*(range(g) for g in _grid(entry))))
         return keys
 
     async def list(self) -> AsyncIterator[str]:
@@ -176,9 +193,13 @@ class CheckpointZarrStore(Store):
                 yield head
 
 
+def _grid(entry: TensorEntry) -> list[int]:
+    """Chunks per dimension of an entry's (zarr) chunk grid."""
+    return [max(1, -(-n // c)) for n, c in zip(entry.shape, entry.zarr_chunk_shape())]
+
+
 def _single_chunk_entry(entry: TensorEntry, index: int, rows: int) -> TensorEntry:
     """An entry describing just chunk `index` (so the reader fills exactly its rows)."""
-    from dataclasses import replace
 
     shape = (rows, *entry.shape[1:]) if entry.shape else ()
     return replace(entry, shape=shape, chunk_rows=max(1, rows) if entry.shape else 1,
