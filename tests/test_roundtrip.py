@@ -191,6 +191,18 @@ def test_partial_restore_by_keys(repo):
         repo.load("part", keys=["model.nope"])
 
 
+def test_partial_restore_of_a_tied_key_alone(repo):
+    """A tensor tied to an earlier key is found by the key asked for (it used to raise
+    KeyError(0): tensors were selected by their first path only), also in place."""
+    w = torch.randn(6, 3)
+    repo.save("tied-part", {"emb": w, "head": w, "bias": torch.zeros(3)})
+    out = repo.load("tied-part", keys=["head"])
+    assert list(out) == ["head"] and torch.equal(out["head"], w)
+    dest = {"emb": torch.zeros(6, 3), "head": torch.zeros(6, 3), "bias": torch.ones(3)}
+    repo.load("tied-part", into=dest, keys=["head"])
+    assert torch.equal(dest["head"], w) and not dest["emb"].any()
+
+
 @pytest.mark.parametrize("bad,where", [
     ({"x": object()}, "x"),
     ({"a": {"b": [1, {2.5: 3}]}}, "a.b.1"),

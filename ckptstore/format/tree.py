@@ -295,26 +295,30 @@ def _collect_paths(node: Any, path: Path, out: dict[int, Path]) -> None:
         out.setdefault(value, path)
 
 
-def leaf_keys(node: Any) -> dict[int, str]:
-    """Tensor index -> dotted key of the first path it appears at: `key_string` of each
-    `leaf_paths` value, built without keeping a tuple per tensor."""
+def leaf_keys(node: Any, keep: Callable[[str], bool] | None = None) -> dict[int, str]:
+    """Tensor index -> dotted key of the first path it appears at (with `keep`: the first
+    path `keep` accepts, so a tensor tied to an unselected key is found by its selected one):
+    `key_string` of each `leaf_paths` value, built without keeping a tuple per tensor."""
     out: dict[int, str] = {}
-    _collect_keys(node, None, out)
+    _collect_keys(node, None, out, keep)
     return out
 
 
-def _collect_keys(node: Any, key: str | None, out: dict[int, str]) -> None:
+def _collect_keys(node: Any, key: str | None, out: dict[int, str],
+                  keep: Callable[[str], bool] | None) -> None:
     """Add every tensor leaf under `node` (at dotted `key`, None for the root) not yet in
-    `out`, in depth-first order."""
+    `out` and accepted by `keep`, in depth-first order."""
     kind, value = node_kind(node)
     if kind in ("dict", "odict"):
         for (_t, k), child in value:
-            _collect_keys(child, str(k) if key is None else f"{key}.{k}", out)
+            _collect_keys(child, str(k) if key is None else f"{key}.{k}", out, keep)
     elif kind in ("list", "tuple"):
         for i, child in enumerate(value):
-            _collect_keys(child, str(i) if key is None else f"{key}.{i}", out)
+            _collect_keys(child, str(i) if key is None else f"{key}.{i}", out, keep)
     elif kind in ("tensor", "bytes"):
-        out.setdefault(value, "" if key is None else key)
+        leaf_key = "" if key is None else key
+        if keep is None or keep(leaf_key):
+            out.setdefault(value, leaf_key)
 
 
 def flatten_arrays(obj: Any, path: Path = ()) -> dict[str, Any]:

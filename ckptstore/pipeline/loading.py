@@ -143,9 +143,8 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
     keep = key_filter(keys)
     # per tensor only strings and temporaries: thousands of retained tuples would cost more
     # in the cyclic GC's full collections than building them
-    key_of = tree_mod.leaf_keys(manifest.tree)
-    selected = [i for i in range(len(manifest.tensors))
-                if keep is None or keep(key_of.get(i, ""))]
+    key_of = tree_mod.leaf_keys(manifest.tree, keep)  # tied tensors: by a selected path
+    selected = [i for i in range(len(manifest.tensors)) if i in key_of]
     if keep is not None:
         _check_keys_exist(manifest, keys or [])
     dests = tree_mod.flatten_arrays(into) if into is not None else {}
