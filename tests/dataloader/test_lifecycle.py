@@ -186,11 +186,11 @@ def test_cli_convert_info_verify(tmp_path, capsys):
     assert main(["convert", str(npy), str(tmp_path / "ds2"), "--field", "tokens"]) == 0
     got = [s["tokens"] for s in dataloader.StreamingDataset(str(tmp_path / "ds2"))]
     assert [len(g) for g in got] == [1, 2, 3, 4, 5] and got[0].dtype == np.int16
-    assert main(["info", str(tmp_path / "nothing")]) == 1
+    assert main(["info", str(tmp_path / "nothing")]) == 2
     assert "dataset.json" in capsys.readouterr().err
     with open(src / "b.jsonl", "w") as f:
         f.write('{"id": {"nested": 1}}\n')
-    assert main(["convert", str(src), str(tmp_path / "ds3")]) == 1
+    assert main(["convert", str(src), str(tmp_path / "ds3")]) == 2
     assert "b.jsonl:1" in capsys.readouterr().err
     # the module entry point works as a program
     run = subprocess.run(
