@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from typing import Any
 
@@ -116,7 +117,11 @@ class StreamingDataset:
                 " was the write finished?)"
             ) from None
         self.fields: tuple[FieldInfo, ...] = self._select_fields(fields)
-        check_zarr_metadata(self.store, self.index, self.index.array_paths(self.fields))
+        if not self.index.partitions:  # a partition's arrays are checked on its first read
+            with ThreadPoolExecutor(8, thread_name_prefix="dataloader-open") as pool:
+                check_zarr_metadata(
+                    self.store, self.index, self.index.array_paths(self.fields), executor=pool
+                )
         self.shuffle, self.seed = bool(shuffle), seed
         self.balance = balance
         self._rank, self._world = rank, world_size
