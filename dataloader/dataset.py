@@ -1,9 +1,10 @@
 """StreamingDataset: a dataset in a store, read window by window in a deterministic order.
 
 Use it through `StreamingLoader` (threads, batches, exact resume), or iterate it directly /
-under torch's DataLoader (IterableDataset protocol: one sample dict at a time; torch workers
-split the rank's items in runs of `batch_size`, so torch's round-robin collation of worker
-batches restores the rank's order when its batch_size matches).
+under torch's DataLoader (IterableDataset protocol: one sample dict at a time). Under torch's
+DataLoader with worker processes, give the dataset the DataLoader's `num_workers` and
+`batch_size`: each worker then reads only the windows it serves, and the order torch's
+round-robin delivers is fixed by those two numbers (lanes.py), so states stay exact.
 """
 
 from __future__ import annotations
@@ -32,8 +33,18 @@ from .format import (
     check_zarr_metadata,
     load_index,
 )
+from .lanes import delivered, remaining, schedule, worker_pieces
 from .metrics import Metrics
-from .order import BALANCE, MAX_WORLD_SIZE, EpochOrder, Piece, advance, rank_plan
+from .order import (
+    BALANCE,
+    MAX_WORLD_SIZE,
+    EpochOrder,
+    Piece,
+    advance,
+    as_intervals,
+    merge_intervals,
+    rank_plan,
+)
 from .order_full import FullOrder
 from .pipeline import dataset_windows
 from .reader import BlockReader, InlineExecutor
@@ -146,6 +157,7 @@ class StreamingDataset:
         merge_gap: int = 1 << 20,
         max_request: int = 16 << 20,
         batch_size: int = 1,
+        num_workers: int = 0,
         store_options: Mapping[str, Any] | None = None,
     ) -> None:
         seed = check_int(seed, "seed", 0, None, ValueError)
@@ -207,6 +219,8 @@ class StreamingDataset:
         self._block_rows = self.index.block_rows()
         self.io_threads, self.prefetch_bytes = io_threads, prefetch_bytes
         self.batch_size = max(1, int(batch_size))
+        # torch DataLoader's worker processes (0 or 1: none): they fix the delivery order
+        self.num_workers = check_int(num_workers, "num_workers", 0, 4096, ValueError)
         self._epoch = 0
         self._resume: Progress | None = None
         self._orders: dict[int, Any] = {}
@@ -258,6 +272,8 @@ class StreamingDataset:
         }
         if self.full_shuffle:  # absent for window shuffle: older states stay valid
             options["shuffle_mode"] = "full"
+        if self.num_workers > 1:  # the order torch's worker processes deliver (lanes.py)
+            options["torch_workers"] = [self.num_workers, self.batch_size]
         return options
 
     def epoch_order(self, epoch: int) -> Any:
@@ -337,9 +353,7 @@ class StreamingDataset:
             return fresh(epoch, world, self.balance)
         if r.world_size == world and r.balance == self.balance:
             return r
-        total = self.epoch_order(epoch).total
-        base = advance(total, r.base, r.world_size, r.balance, r.consumed)
-        return Progress(epoch, base, world, self.balance, 0)
+        return Progress(epoch, self._fold(r), world, self.balance, 0)
 
     def pieces(self, progress: Progress) -> tuple[EpochOrder, list[Piece], int]:
         """(order, pieces still to deliver, their item count) for this rank."""
@@ -356,15 +370,31 @@ class StreamingDataset:
         if r is not None and r.epoch == self._epoch:
             if r.world_size == world and r.balance == self.balance:
                 return r
-            total = self.epoch_order(r.epoch).total
-            return Progress(
-                r.epoch,
-                advance(total, r.base, r.world_size, r.balance, r.consumed),
-                world,
-                self.balance,
-                0,
-            )
+            return Progress(r.epoch, self._fold(r), world, self.balance, 0)
         return fresh(self._epoch, world, self.balance)
+
+    def _fold(self, r: Progress) -> Any:
+        """The items delivered by every rank of `r`'s topology, joined to its base."""
+        order = self.epoch_order(r.epoch)
+        if self.num_workers <= 1:
+            return advance(order.total, r.base, r.world_size, r.balance, r.consumed)
+        done = [r.base]
+        for rank in range(r.world_size):  # each rank's delivered items: a schedule prefix
+            plan = rank_plan(order.total, r.base, r.world_size, rank, r.balance)
+            runs = schedule(order.pieces(plan.after(0)), self.num_workers, self.batch_size)
+            done.append(delivered(runs, r.consumed, order.item_starts))
+        return merge_intervals(np.concatenate([as_intervals(d) for d in done]))
+
+    def _lane_pieces(self, progress: Progress, wid: int, nw: int) -> tuple[Any, list[Piece]]:
+        """This worker's pieces in the torch-workers order (all of them when nw == 1)."""
+        rank, world = self.topology()
+        order = self.epoch_order(progress.epoch)
+        plan = rank_plan(order.total, progress.base, world, rank, progress.balance)
+        runs = schedule(order.pieces(plan.after(0)), self.num_workers, self.batch_size)
+        runs = remaining(runs, progress.consumed)
+        if nw > 1:
+            return order, worker_pieces(runs, wid, nw)
+        return order, [p for _, ps in runs for p in ps]
 
     def make_state(
         self, progress: Progress, kind: str | None = None, **extra: Any
@@ -441,11 +471,18 @@ class StreamingDataset:
         return PlainView(self.fields, [b], [block], self._block_starts, local).sample(0)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        progress = self.begin(self._epoch)
-        order, pieces, _ = self.pieces(progress)
         wid, nw = _torch_worker()
-        if nw > 1:
-            pieces = _worker_pieces(pieces, wid, nw, self.batch_size)
+        if nw > 1 and nw != self.num_workers:
+            raise ValueError(
+                f"this dataset runs in torch DataLoader worker processes ({nw}): create it with"
+                f" num_workers={nw} and batch_size=<the DataLoader's>, so that its states"
+                " describe the order the workers deliver"
+            )
+        progress = self.begin(self._epoch)
+        if self.num_workers > 1:
+            order, pieces = self._lane_pieces(progress, wid, nw)
+        else:
+            order, pieces, _ = self.pieces(progress)
         self._direct = (progress, 0)
         windows = dataset_windows(self, order, pieces, self.io_threads, self.prefetch_bytes)
         with closing(windows) as views:
@@ -457,22 +494,3 @@ class StreamingDataset:
                     self._direct = (progress, count)
                     yield sample
 
-
-def _worker_pieces(pieces: list[Piece], wid: int, nw: int, run: int) -> list[Piece]:
-    """The sub-pieces of torch worker `wid`: rank positions p with (p // run) % nw == wid."""
-    out: list[Piece] = []
-    pos = 0
-    for p in pieces:
-        i = p.start
-        while i < p.stop:
-            k = pos // run
-            run_end = (k + 1) * run
-            n = min(p.stop - i, run_end - pos)
-            if k % nw == wid:
-                if out and out[-1].window == p.window and out[-1].stop == i:
-                    out[-1] = Piece(p.window, out[-1].start, i + n)
-                else:
-                    out.append(Piece(p.window, i, i + n))
-            i += n
-            pos += n
-    return out

@@ -99,17 +99,23 @@ def test_torch_collate_and_torch_dataloader(small_uri):
     b = next(iter(loader))
     assert isinstance(b["image"], torch.Tensor) and b["image"].shape == (16, 2, 3)
     assert isinstance(b["tokens"][0], torch.Tensor) and isinstance(b["text"][0], str)
-    # torch's own DataLoader with worker processes: each sample exactly once, order kept
+    # torch's own DataLoader with worker processes: each sample exactly once, in the order
+    # the dataset (told num_workers and batch_size) delivers when iterated directly
     ds = dataloader.StreamingDataset(
-        small_uri, fields=["id", "image"], shuffle=True, seed=5, batch_size=8, io_threads=1
+        small_uri, fields=["id", "image"], shuffle=True, seed=5, batch_size=8, io_threads=1,
+        num_workers=2,
     )
     want = [
         int(s["_index"])
-        for s in dataloader.StreamingDataset(small_uri, fields=["id"], shuffle=True, seed=5)
+        for s in dataloader.StreamingDataset(
+            small_uri, fields=["id"], shuffle=True, seed=5, batch_size=8, num_workers=2
+        )
     ]
     dl = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2)
     got = [int(x) for b in dl for x in b["id"]]
-    assert got == want
+    assert got == want and sorted(got) == list(range(523))
+    with pytest.raises(Exception, match="num_workers=3"):  # told another worker count
+        list(torch.utils.data.DataLoader(ds, batch_size=8, num_workers=3))
 
 
 def test_dataset_state_for_torch_dataloader(small_uri):
