@@ -246,3 +246,16 @@ def test_progress_bar_only_on_a_terminal(tmp_path: Path) -> None:
     os.close(leader)
     assert proc.returncode == 0 and b"converting jsonl" in drawn
     assert (tmp_path / "d2" / INDEX_KEY).exists()
+
+
+def test_convert_to_s3(tmp_path: Path, s3_uri: str, moto_endpoint: str, capsys) -> None:
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "t": f"x{i}"}) + "\n" for i in range(20)))
+    ep = ["--endpoint-url", moto_endpoint]
+    assert main(["convert", str(src), s3_uri, "--workers", "2", *ep]) == 0
+    capsys.readouterr()
+    assert main(["verify", s3_uri, "--json", *ep]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verified"] is True and report["num_samples"] == 20
+    ds = dataloader.StreamingDataset(s3_uri, store_options={"endpoint_url": moto_endpoint})
+    assert [s["t"] for s in ds] == [f"x{i}" for i in range(20)]
