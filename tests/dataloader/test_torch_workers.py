@@ -86,3 +86,5 @@ def test_worker_order_state_folds_into_another_world_size(small_uri: str) -> Non
     assert sorted(seen + rest) == list(range(523))
     with pytest.raises(ValueError, match="own threads"):
         dataloader.StreamingLoader(_ds(small_uri), batch_size=BS)
+    with pytest.raises(ValueError, match="own threads"):
+        dataloader.MixedLoader([_ds(small_uri)], [1.0], batch_size=BS)
