@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="S3 endpoint (MinIO, moto, SeaweedFS), e.g. http://127.0.0.1:9000")
     common.add_argument("--json", action="store_true",
                         help="print the summary as one JSON document")
-    p = _Parser(prog=PROG, description=(__doc__ or "").split("\n")[0],
+    p = _Parser(prog=PROG, description="Convert files into datasets for the dataloader; "
+                "inspect and verify them. DEST/URI: a folder, file://, memory:// or s3://.",
                 epilog="Exit codes: 0 ok, 1 verify found bad chunks, 2 error, 130 interrupted.")
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
