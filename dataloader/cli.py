@@ -30,7 +30,7 @@ from ckptstore.stores import open_store
 
 from .errors import MissingShardError
 from .format import INDEX_KEY, DatasetIndex
-from .progress import counted
+from .progress import counted, progress_bar
 from .sources import FORMATS, open_source
 
 PROG = "ckpt-data"
@@ -197,7 +197,7 @@ def _schema(items: list[str]) -> dict[str, str]:
 
 def convert(args: argparse.Namespace) -> dict[str, Any]:
     """The `convert` command: returns the new dataset's summary."""
-    from .partitions import gc_partitions
+    from .partitions import _clear_target, gc_partitions
     from .writer import write_dataset
 
     opts = _store_opts(args)
@@ -210,14 +210,31 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
             raise FileExistsError(
                 f"{store.uri}: a dataset exists here already (pass --overwrite to replace it)"
             )
-        samples = counted(source.samples(), f"converting {source.format}", source.num_samples,
-                          not (args.no_progress or args.json))
+        show = not (args.no_progress or args.json)
         try:
-            index = write_dataset(
-                store, samples, workers=args.workers, schema=schema,
-                rows_per_chunk=args.rows_per_chunk, compression=args.compression,
-                overwrite=args.overwrite, metadata={"source": source.metadata()},
-            )
+            if source.file_samples is not None and isinstance(args.dest, str) and not (
+                args.dest.startswith("memory://")
+            ):  # file by file, in processes: parsing scales too
+                from .sources.by_file import convert_by_file
+
+                if args.overwrite:
+                    _clear_target(store, True)
+                with progress_bar(f"converting {source.format}", source.num_samples,
+                                  show) as advance:
+                    index = convert_by_file(
+                        args.dest, source, args.workers, schema=schema,
+                        rows_per_chunk=args.rows_per_chunk, compression=args.compression,
+                        store_options=opts, metadata={"source": source.metadata()},
+                        on_samples=advance,
+                    )
+            else:
+                samples = counted(source.samples(), f"converting {source.format}",
+                                  source.num_samples, show)
+                index = write_dataset(
+                    store, samples, workers=args.workers, schema=schema,
+                    rows_per_chunk=args.rows_per_chunk, compression=args.compression,
+                    overwrite=args.overwrite, metadata={"source": source.metadata()},
+                )
         except BaseException:
             if not store.exists(INDEX_KEY):  # nothing was committed: drop the partial parts
                 gc_partitions(store, grace_seconds=0)

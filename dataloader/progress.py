@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
 def counted(items: Iterable[T], description: str, total: int | None, show: bool) -> Iterator[T]:
-    """Yield `items`, advancing a bar per item (a count and a rate when `total` is unknown).
-    Nothing is drawn unless `show` and stderr is a terminal."""
+    """Yield `items`, advancing a bar per item (a count when `total` is unknown). Nothing is
+    drawn unless `show` and stderr is a terminal."""
+    with progress_bar(description, total, show) as advance:
+        for item in items:
+            yield item
+            advance(1)
+
+
+@contextmanager
+def progress_bar(description: str, total: int | None, show: bool
+                 ) -> Iterator[Callable[[int], None]]:
+    """A bar on stderr (when `show` and stderr is a terminal); yields advance(n)."""
     if not show or not sys.stderr.isatty():
-        yield from items
+        yield lambda n: None
         return
     from rich.console import Console
     from rich.progress import (
@@ -34,6 +45,4 @@ def counted(items: Iterable[T], description: str, total: int | None, show: bool)
     columns += [TimeElapsedColumn()]
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=total)
-        for item in items:
-            yield item
-            bar.advance(task)
+        yield lambda n: bar.advance(task, n)

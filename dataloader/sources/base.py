@@ -23,6 +23,9 @@ class Source:
     open_samples: Callable[[], Iterator[Sample]]
     num_samples: int | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    #: The samples of file i alone, for formats whose files hold many samples each (they can
+    #: be converted file by file, in parallel processes); None for the others.
+    file_samples: Callable[[int], Iterator[Sample]] | None = None
 
     @property
     def num_bytes(self) -> int:

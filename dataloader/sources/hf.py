@@ -100,4 +100,5 @@ def hf_source(src: Path, split: str | None) -> Source:
                 str(k): str(v.get("dtype") or v.get("_type")) if isinstance(v, dict) else "?"
                 for k, v in features.items()
             }
-    return Source("hf", files, lambda: iter_hf(files), None, details)
+    return Source("hf", files, lambda: iter_hf(files), None, details,
+                  file_samples=lambda i: iter_hf(files[i : i + 1]))

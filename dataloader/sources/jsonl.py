@@ -62,4 +62,5 @@ def iter_jsonl(files: Sequence[Path]) -> Iterator[Sample]:
 
 def jsonl_source(src: Path) -> Source:
     files = files_with(src, (".jsonl", ".ndjson"), "JSON Lines")
-    return Source("jsonl", files, lambda: iter_jsonl(files))
+    return Source("jsonl", files, lambda: iter_jsonl(files),
+                  file_samples=lambda i: iter_jsonl(files[i : i + 1]))

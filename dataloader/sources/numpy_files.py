@@ -71,4 +71,5 @@ def numpy_source(src: Path, field: str) -> Source:
     if len(kinds) > 1:
         raise ValueError(f"{src} holds both .npy and .npz files: convert them separately")
     count = len(files) if kinds == {".npy"} else None
-    return Source("numpy", files, lambda: iter_numpy(files, field), count)
+    per_file = (lambda i: iter_numpy(files[i : i + 1], field)) if count is None else None
+    return Source("numpy", files, lambda: iter_numpy(files, field), count, file_samples=per_file)

@@ -42,4 +42,5 @@ def iter_parquet(files: Sequence[Path]) -> Iterator[Sample]:
 def parquet_source(src: Path) -> Source:
     files = files_with(src, (".parquet",), "Parquet")
     count = sum(_open(p).metadata.num_rows for p in files)
-    return Source("parquet", files, lambda: iter_parquet(files), count)
+    return Source("parquet", files, lambda: iter_parquet(files), count,
+                  file_samples=lambda i: iter_parquet(files[i : i + 1]))

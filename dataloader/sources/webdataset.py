@@ -83,4 +83,5 @@ def iter_webdataset(files: Sequence[Path]) -> Iterator[Sample]:
 
 def webdataset_source(src: Path) -> Source:
     files = files_with(src, _SUFFIXES, "tar")
-    return Source("webdataset", files, lambda: iter_webdataset(files))
+    return Source("webdataset", files, lambda: iter_webdataset(files),
+                  file_samples=lambda i: iter_webdataset(files[i : i + 1]))

@@ -259,3 +259,30 @@ def test_convert_to_s3(tmp_path: Path, s3_uri: str, moto_endpoint: str, capsys) 
     assert report["verified"] is True and report["num_samples"] == 20
     ds = dataloader.StreamingDataset(s3_uri, store_options={"endpoint_url": moto_endpoint})
     assert [s["t"] for s in ds] == [f"x{i}" for i in range(20)]
+
+
+def test_file_by_file_in_processes(tmp_path: Path, capsys) -> None:
+    """Files are converted by forked processes, each file its own partitions: the same
+    dataset for any number of processes; a bad line in a later file stops everything."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in range(3):
+        pq.write_table(pa.table({"id": pa.array(range(f * 700, (f + 1) * 700)),
+                                 "v": pa.array([[float(f)] * 3] * 700)}),
+                       src / f"part-{f}.parquet")
+    one = convert(src, tmp_path / "w1", "--workers", "1", "--rows-per-chunk", "64")
+    three = convert(src, tmp_path / "w3", "--workers", "3", "--rows-per-chunk", "64")
+    assert one["fingerprint"] == three["fingerprint"] and one["num_samples"] == 2100
+    parts = sorted(p.name for p in (tmp_path / "w3" / "parts").iterdir())
+    assert parts[:3] == ["000000", "000001", "000002"] and "1000000" in parts
+    assert [int(s["id"]) for s in read_all(tmp_path / "w3")] == list(range(2100))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in range(3):
+        lines = [json.dumps({"a": f * 10 + i}) for i in range(10)]
+        if f == 2:
+            lines[7] = "{broken"
+        (bad / f"{f}.jsonl").write_text("\n".join(lines) + "\n")
+    err = fails(capsys, "convert", str(bad), str(tmp_path / "ds"), "--workers", "2")
+    assert "2.jsonl:8" in err
+    assert not any(p.is_file() for p in (tmp_path / "ds").rglob("*"))
