@@ -1,23 +1,33 @@
-"""Dataloader benchmark: this project's StreamingLoader vs litdata vs mosaicml-streaming.
+"""Dataloader benchmark: conversion and reading, this project vs litdata vs mosaicml-streaming.
 
 One command::
 
     python bench/dataloader_bench.py [--scale 1.0] [--storage local,s3]
-        [--contestants ours,litdata,mosaic] [--out bench/results/dataloader.json]
+        [--contestants ours,litdata,mosaic] [--write-workers 1,2] [--seaweed]
+        [--out bench/results/dataloader.json]
 
 Data (bench/dataloader/synth.py, identical for every contestant): ~256M tokens in 2,049-token
-int32 samples, and ~2 GB of byte samples of 1-63 KiB (x --scale). Each contestant writes its own
-format (to a local folder, or to a moto S3 server this script starts on 127.0.0.1), then reads
-one shuffled epoch in a fresh subprocess: samples/s over the epoch (first batch included), time
-to first batch, time to the first batch after resuming from a state taken at 50% of the epoch
-(new dataset + loader objects), and the peak memory of the reader's whole process tree (sum
-of PSS, sampled every 50 ms). Local reads come from the page cache (the data was just
-written); moto serves S3 from the same 2 cores, so S3 numbers are ratios, not absolutes.
+int32 samples, and ~2 GB of byte samples of 1-63 KiB (x --scale). Each contestant converts
+the data into its own format (to a local folder, or to a moto S3 server this script starts on
+127.0.0.1): ours with `write_dataset(workers=N)` for each N of --write-workers, litdata with
+`optimize(num_workers=--peer-write-workers)`, mosaic with `MDSWriter` (peers write locally,
+then upload with boto3 for S3). Conversion figures: seconds, MB/s, samples/s, and the fraction
+of the raw limits (files of 16 MiB written and fsynced by 1/2 threads; 16 MiB puts by 2
+threads to the same S3 server). Then each reads one shuffled epoch in a fresh subprocess:
+samples/s over the epoch (first batch included), time to first batch, time to the first
+batch after resuming from a state taken at 50% of the epoch (new dataset + loader objects),
+and the peak memory of the reader's process tree (sum of PSS, sampled every 50 ms). Local
+reads come from the page cache; moto serves S3 from the same 2 cores, so S3 numbers are
+ratios, not absolutes. Shuffle quality (bench/dataloader/shuffle_stats.py) is measured on a
+small id dataset for every contestant's shuffle. With --seaweed, ours' time to first batch is
+also measured against a SeaweedFS server (fresh process each time, 3 runs).
 
-mosaicml-streaming needs torchvision matching torch: it runs from a separate venv
-(--mosaic-python, default /tmp/msvenv/bin/python; set up with
-``python -m venv /tmp/msvenv && /tmp/msvenv/bin/pip install torch==2.14.1 torchvision==0.29.1
-mosaicml-streaming``). A contestant that is not installed is reported as skipped.
+mosaicml-streaming imports torchvision at import time; where the installed torchvision does
+not load beside this torch, its runner stands in an empty torchvision module (its vision
+datasets are not used). Peers may run from another venv (--peer-python, e.g. one made with
+``python -m venv --system-site-packages V && V/bin/pip install -c C litdata
+mosaicml-streaming`` where C pins torch==2.13.0). A contestant that is not installed is
+reported as skipped.
 """
 
 from __future__ import annotations
@@ -38,6 +48,9 @@ HERE = Path(__file__).resolve().parent
 RUNNERS = HERE / "dataloader"
 sys.path.insert(0, str(RUNNERS))
 
+import limits  # noqa: E402
+import servers  # noqa: E402
+import shuffle_stats  # noqa: E402
 import synth  # noqa: E402
 
 # Dummy credentials for the local moto server only (the standard boto3 chain reads them).
@@ -95,10 +108,11 @@ class TreeMemory:
 
 
 def run_runner(
-    python: str, name: str, phase: str, cfg: dict[str, Any], timeout: float
+    python: str, name: str, phase: str, cfg: dict[str, Any], timeout: float,
+    env_extra: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     cmd = [python, str(RUNNERS / f"run_{name}.py"), phase, json.dumps(cfg)]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **(env_extra or {}))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     mem = TreeMemory(proc.pid)
@@ -121,16 +135,9 @@ def run_runner(
 
 
 def available(python: str, module: str) -> bool:
-    return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
-
-
-def start_moto() -> tuple[Any, str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    return server, f"http://{host}:{port}"
+    """Installed for `python` (found, not imported: the runner makes mosaic importable)."""
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    return subprocess.run([python, "-c", code], capture_output=True).returncode == 0
 
 
 def fmt_table(rows: list[dict[str, Any]]) -> str:
@@ -179,13 +186,24 @@ def main() -> int:
         default=None,
         help="loader workers (default: ours 4 threads, peers 2 processes)",
     )
-    ap.add_argument("--mosaic-python", default="/tmp/msvenv/bin/python")
+    ap.add_argument("--peer-python", default=sys.executable,
+                    help="the Python that runs litdata and mosaic (another venv, say)")
+    ap.add_argument("--write-workers", default="1,2",
+                    help="ours: write_dataset(workers=N) for each N (the last one is read)")
+    ap.add_argument("--peer-write-workers", type=int, default=2,
+                    help="litdata optimize(num_workers=N)")
+    ap.add_argument("--seaweed", action="store_true",
+                    help="also time ours' first batch against a SeaweedFS server")
     ap.add_argument("--workdir", default="/tmp/dataloader-bench")
     ap.add_argument("--out", default=str(HERE / "results" / "dataloader.json"))
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args()
 
-    pythons = {"ours": sys.executable, "litdata": sys.executable, "mosaic": args.mosaic_python}
+    pythons = {"ours": sys.executable, "litdata": args.peer_python, "mosaic": args.peer_python}
+    write_workers = [int(w) for w in args.write_workers.split(",") if w]
+    conv: list[dict[str, Any]] = []
+    limit_rows: list[dict[str, Any]] = []
+    ttfb_rows: list[dict[str, Any]] = []
     modules = {"ours": "dataloader", "litdata": "litdata", "mosaic": "streaming"}
     contestants = [c for c in args.contestants.split(",") if c]
     storages = [s for s in args.storage.split(",") if s]
@@ -195,8 +213,9 @@ def main() -> int:
     work.mkdir(parents=True)
     server, endpoint = (None, None)
     if "s3" in storages:
-        server, endpoint = start_moto()
+        server, endpoint = servers.start_moto()
     rows: list[dict[str, Any]] = []
+    shuffle: list[dict[str, Any]] = []
     try:
         for kind in kinds:
             n = synth.count(kind, args.scale)
@@ -204,6 +223,20 @@ def main() -> int:
                 n * synth.SEQ * 4 if kind == "tokens" else int(synth.byte_sizes(args.scale).sum())
             )
             for storage in storages:
+                raw = min(nbytes, 512 << 20)
+                if storage == "local":
+                    lim = {f"disk write, {t} thread(s)":
+                           limits.disk_write_mb_s(work / "raw", raw, t) for t in (1, 2)}
+                else:
+                    import boto3
+
+                    rb = f"raw-{uuid.uuid4().hex[:10]}"
+                    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=rb)
+                    lim = {"S3 put 16 MiB, 2 threads": limits.s3_put_mb_s(endpoint, rb, raw, 2)}
+                    _drop_bucket(endpoint, f"s3://{rb}")
+                limit_rows += [{"kind": kind, "storage": storage, "limit": k, "mb_per_s": v}
+                               for k, v in lim.items()]
+                print(f"[{kind}/{storage}] raw limits: {lim}", flush=True)
                 for c in contestants:
                     row: dict[str, Any] = {
                         "kind": kind,
@@ -238,11 +271,27 @@ def main() -> int:
                     }
                     if args.workers is not None:
                         cfg["workers"] = args.workers
+                    if c == "ours":
+                        cfg["write_workers"] = write_workers
+                    cfg["peer_write_workers"] = args.peer_write_workers
                     w = run_runner(pythons[c], c, "write", cfg, args.timeout)
                     if "error" in w:
                         rows.append({**row, "error": "write: " + w["error"]})
                         print("   ", rows[-1]["error"], flush=True)
                         continue
+                    writers = (
+                        {f"ours, workers={k}": w[f"write_s_w{k}"] for k in write_workers}
+                        if c == "ours"
+                        else {"litdata optimize, num_workers="
+                              f"{args.peer_write_workers}" if c == "litdata"
+                              else "mosaic MDSWriter": w["write_s"]}
+                    )
+                    for name, secs in writers.items():
+                        conv.append({"kind": kind, "storage": storage, "writer": name,
+                                     "contestant": c, "write_s": secs,
+                                     "mb_per_s": nbytes / secs / 1e6, "samples_per_s": n / secs})
+                        print(f"    convert {name}: {secs:.1f} s, {nbytes / secs / 1e6:,.0f} MB/s",
+                              flush=True)
                     r = run_runner(pythons[c], c, "read", cfg, args.timeout)
                     if "error" in r:
                         rows.append({**row, "error": "read: " + r["error"]})
@@ -255,9 +304,21 @@ def main() -> int:
                         f"resume {r['resume_s']:.2f}s, peak {r['peak_mem_mb']:,.0f} MB",
                         flush=True,
                     )
+                    if c == "ours" and storage == "s3":
+                        for _ in range(3):  # fresh processes: open + first batch only
+                            t = run_runner(pythons[c], c, "ttfb", cfg, args.timeout)
+                            ttfb_rows.append({"kind": kind, "server": "moto", **t})
+                    if storage == "local" and kind == kinds[0]:
+                        o = run_runner(pythons[c], c, "order", cfg, args.timeout)
+                        for mode, order in o.items():
+                            if isinstance(order, list):
+                                shuffle.append({"loader": c, "mode": mode,
+                                                **shuffle_stats.stats(order)})
                     shutil.rmtree(cwork, ignore_errors=True)
                     if storage == "s3":
                         _drop_bucket(endpoint, uri)
+        if args.seaweed and "ours" in contestants:
+            ttfb_rows += seaweed_ttfb(kinds, args, work)
     finally:
         if server is not None:
             server.stop()
@@ -273,7 +334,15 @@ def main() -> int:
             ]
             if peers:
                 r["ratio"] = r["samples_per_s"] / max(peers)
-    table = fmt_table(rows)
+    for r in conv:
+        peers = [p["mb_per_s"] for p in conv if p["kind"] == r["kind"]
+                 and p["storage"] == r["storage"] and p["contestant"] != "ours"]
+        r["vs_faster_peer"] = r["mb_per_s"] / max(peers) if peers else None
+        lims = {x["limit"]: x["mb_per_s"] for x in limit_rows
+                if x["kind"] == r["kind"] and x["storage"] == r["storage"]}
+        r["of_raw_limit"] = r["mb_per_s"] / max(lims.values()) if lims else None
+    table = "\n\n".join([fmt_table(rows), fmt_conv(conv, limit_rows), fmt_shuffle(shuffle),
+                          fmt_ttfb(ttfb_rows)])
     cmd = "python bench/dataloader_bench.py " + " ".join(sys.argv[1:])
     print()
     print(f"command: {cmd.strip()}")
@@ -282,11 +351,75 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
-            {"command": cmd.strip(), "scale": args.scale, "rows": rows, "table": table}, indent=2
+            {"command": cmd.strip(), "scale": args.scale, "rows": rows, "conversion": conv,
+             "limits": limit_rows, "shuffle": shuffle, "ttfb": ttfb_rows, "table": table},
+            indent=2,
         )
     )
     print(f"\nwrote {out}")
     return 0
+
+
+def seaweed_ttfb(kinds: list[str], args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """Ours on a SeaweedFS server: write (last --write-workers), then 3 fresh first batches."""
+    import boto3
+
+    out: list[dict[str, Any]] = []
+    try:
+        proc, endpoint, root = servers.start_seaweed()
+    except RuntimeError as exc:
+        return [{"kind": k, "server": "seaweedfs", "error": str(exc)} for k in kinds]
+    try:
+        keys = servers.SEAWEED_KEYS
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                     aws_access_key_id=keys["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"]
+                     ).create_bucket(Bucket="bench-ttfb")
+        for kind in kinds:
+            cfg = {"kind": kind, "scale": args.scale, "uri": f"s3://bench-ttfb/{kind}",
+                   "work": str(work), "endpoint": endpoint, "batch_size": args.batch_size,
+                   "write_workers": [int(w) for w in args.write_workers.split(",")][-1:]}
+            w = run_runner(sys.executable, "ours", "write", cfg, args.timeout, keys)
+            if "error" in w:
+                out.append({"kind": kind, "server": "seaweedfs", "error": w["error"]})
+                continue
+            for _ in range(3):
+                t = run_runner(sys.executable, "ours", "ttfb", cfg, args.timeout, keys)
+                out.append({"kind": kind, "server": "seaweedfs", **t})
+    finally:
+        servers.stop_seaweed(proc, root)
+    return out
+
+
+def fmt_conv(conv: list[dict[str, Any]], lims: list[dict[str, Any]]) -> str:
+    lines = ["| data | storage | writer | s | MB/s | samples/s | vs faster peer | of raw limit |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in conv:
+        vs = f"{r['vs_faster_peer']:.2f}x" if r.get("vs_faster_peer") else ""
+        of = f"{r['of_raw_limit']:.0%}" if r.get("of_raw_limit") else ""
+        lines.append(f"| {r['kind']} | {r['storage']} | {r['writer']} | {r['write_s']:.1f} | "
+                     f"{r['mb_per_s']:,.0f} | {r['samples_per_s']:,.0f} | {vs} | {of} |")
+    for x in lims:
+        lines.append(f"| {x['kind']} | {x['storage']} | raw limit: {x['limit']} | | "
+                     f"{x['mb_per_s']:,.0f} | | | |")
+    return "\n".join(lines)
+
+
+def fmt_shuffle(rows: list[dict[str, Any]]) -> str:
+    lines = ["| loader | shuffle | Spearman rho | neighbour spread (1.0 = uniform) |",
+             "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['loader']} | {r['mode']} | {r['spearman']:+.3f} | "
+                     f"{r['neighbour_spread']:.3f} |")
+    return "\n".join(lines)
+
+
+def fmt_ttfb(rows: list[dict[str, Any]]) -> str:
+    lines = ["| data | server | first batch s (fresh process) |", "|---|---|---|"]
+    for r in rows:
+        cell = f"{r['ttfb_s']:.3f}" if "ttfb_s" in r else "error: " + r.get("error", "")[:80]
+        lines.append(f"| {r['kind']} | {r['server']} | {cell} |")
+    return "\n".join(lines)
 
 
 def _drop_bucket(endpoint: str, uri: str) -> None:

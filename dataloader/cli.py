@@ -1,82 +1,50 @@
-"""Command line: ``python -m dataloader {convert,info,verify} ...``.
+"""`ckpt-data` (also ``python -m dataloader``): convert data into datasets, inspect, verify.
 
-* ``convert SRC DEST``: a folder of ``.jsonl`` files (one JSON object per line = one sample;
-  lists of numbers become arrays) or ``.npy`` files (one file = one sample, stored in field
-  ``--field``) -> a dataset at DEST (path, file://, s3://).
-* ``info URI``: the dataset's summary (``--json`` for machine-readable output).
-* ``verify URI``: read every chunk and check it against its digest.
+    ckpt-data convert SRC DEST [--format F] [--workers N] ...   SRC: a file or a folder
+    ckpt-data info URI [--json]                                 the dataset's summary
+    ckpt-data verify URI [--json]                               read and check every chunk
+
+Source formats (`--format`, default auto): jsonl, parquet, numpy (.npy/.npz), files (a folder,
+one file = one sample), webdataset (tar shards), hf (a Hugging Face dataset saved to disk);
+see dataloader.sources. DEST: a folder, file://, memory:// or s3:// URI.
+
+Conventions shared with `ckpt`: errors are one line on stderr starting with 'ckpt-data:', exit
+codes 0 ok, 1 verify found bad or missing chunks, 2 error (bad arguments, bad input, missing
+dataset, unreachable store), 130 interrupted; sizes in binary units (KiB, MiB); progress bars
+on stderr only when it is a terminal; `--version`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
-import numpy as np
-
-from ckptstore.errors import CkptStoreError
+from ckptstore.cli.exits import EXIT_ERROR, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_OK, one_line
+from ckptstore.cli.output import human_bytes
+from ckptstore.errors import CkptStoreError, IntegrityError
 from ckptstore.stores import open_store
 
+from .errors import MissingShardError
 from .format import INDEX_KEY, DatasetIndex
-from .writer import write_dataset
+from .progress import counted, progress_bar
+from .sources import FORMATS, open_source
+
+PROG = "ckpt-data"
 
 
-def _json_value(v: Any, where: str) -> Any:
-    if isinstance(v, bool | int | float | str):
-        return v
-    if isinstance(v, list):
-        if not v:
-            return np.zeros(0, dtype=np.int64)
-        if all(isinstance(x, bool) for x in v):
-            return np.asarray(v, dtype=np.bool_)
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            return np.asarray(v, dtype=np.int64)
-        if all(isinstance(x, int | float) and not isinstance(x, bool) for x in v):
-            return np.asarray(v, dtype=np.float64)
-        raise TypeError(f"{where}: lists must hold only numbers (or only bools)")
-    raise TypeError(
-        f"{where}: unsupported JSON value {type(v).__name__} (use numbers, str, lists of numbers)"
-    )
+class UsageError(Exception):
+    """Bad command-line arguments (one line, exit 2)."""
 
 
-def iter_jsonl(files: Sequence[Path]) -> Iterator[dict[str, Any]]:
-    for path in files:
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except ValueError as exc:
-                    raise ValueError(f"{where}: invalid JSON ({exc})") from None
-                if not isinstance(obj, dict):
-                    raise TypeError(f"{where}: each line must be a JSON object")
-                yield {k: _json_value(v, f"{where}, field {k!r}") for k, v in obj.items()}
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage dump), raised as UsageError."""
 
-
-def iter_npy(files: Sequence[Path], field: str) -> Iterator[dict[str, Any]]:
-    for path in files:
-        yield {field: np.load(path, allow_pickle=False)}
-
-
-def _source_files(src: Path, fmt: str) -> tuple[str, list[Path]]:
-    if not src.is_dir():
-        raise FileNotFoundError(f"{src}: not a folder")
-    jsonl = sorted(src.glob("*.jsonl"))
-    npy = sorted(src.glob("*.npy"))
-    if fmt == "auto":
-        if jsonl and npy:
-            raise ValueError(f"{src} holds both .jsonl and .npy files: pass --format")
-        fmt = "jsonl" if jsonl else "npy"
-    files = jsonl if fmt == "jsonl" else npy
-    if not files:
-        raise FileNotFoundError(f"{src}: no .{fmt} files")
-    return fmt, files
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{PROG} --help')")
 
 
 def summary(index: DatasetIndex, uri: str) -> dict[str, Any]:
@@ -125,7 +93,7 @@ def _print_summary(s: dict[str, Any]) -> None:
             else f" of {s['rows_per_chunk']:,}"
         )
     )
-    print(f"stored       {s['stored_bytes'] / 1e6:,.1f} MB")
+    print(f"stored       {human_bytes(s['stored_bytes'])}")
     print("fields:")
     for f in s["fields"]:
         extra = f" shape {tuple(f['shape'])}" if "shape" in f else ""
@@ -136,86 +104,170 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(
             f"  {k:<24} shape {tuple(a['shape'])} chunks {tuple(a['chunk_shape'])}"
             f" x{a['chunks_per_shard']}"
-            f"/shard, {a['shards']} shards, {a['bytes'] / 1e6:,.1f} MB"
+            f"/shard, {a['shards']} shards, {human_bytes(a['bytes'])}"
         )
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ckptstore.version import __version__
+
+    common = _Parser(add_help=False)
+    common.add_argument("--endpoint-url", metavar="URL",
+                        help="S3 endpoint (MinIO, moto, SeaweedFS), e.g. http://127.0.0.1:9000")
+    common.add_argument("--json", action="store_true",
+                        help="print the summary as one JSON document")
+    p = _Parser(prog=PROG, description="Convert files into datasets for the dataloader; "
+                "inspect and verify them. DEST/URI: a folder, file://, memory:// or s3://.",
+                epilog="Exit codes: 0 ok, 1 verify found bad chunks, 2 error, 130 interrupted.")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+    c = sub.add_parser("convert", parents=[common], help="convert files into a dataset",
+                       description="Convert SRC (a file or a folder) into a dataset at DEST.")
+    c.add_argument("src", metavar="SRC")
+    c.add_argument("dest", metavar="DEST")
+    c.add_argument("--format", choices=["auto", *FORMATS, "npy"], default="auto",
+                   help="source format (default: detected from the file names; npy = numpy)")
+    c.add_argument("--field", default="data", metavar="NAME",
+                   help="field of each .npy file's array (default: data)")
+    c.add_argument("--split", metavar="NAME", help="the split of a saved Hugging Face DatasetDict")
+    c.add_argument("--schema", action="append", default=[], metavar="FIELD=KIND",
+                   help="declare a field's kind: scalar, fixed, ragged, bytes, str (repeatable)")
+    c.add_argument("--rows-per-chunk", type=_positive_int, metavar="N",
+                   help="samples per block (default: about 4 MiB of data)")
+    c.add_argument("--compression", choices=["zstd"])
+    c.add_argument("--workers", type=_positive_int, metavar="N", default=os.cpu_count() or 1,
+                   help="threads encoding and writing partitions (default: the number of cores;"
+                        " the dataset is the same for every N)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset at DEST (it is removed before the new one is written)")
+    c.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
+    for name, help_ in (("info", "print a dataset's summary"),
+                        ("verify", "read every chunk and check it against its digest")):
+        q = sub.add_parser(name, parents=[common], help=help_, description=help_)
+        q.add_argument("uri", metavar="URI")
+        if name == "verify":
+            q.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `ckpt-data` with `argv` (default sys.argv[1:]); returns the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+        if args.cmd is None:
+            raise UsageError(f"choose a command: convert, info, verify (see '{PROG} --help')")
+    except UsageError as exc:
+        sys.stderr.write(f"{PROG}: error: {one_line(exc)}\n")
+        return EXIT_ERROR
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted\n")
+        return EXIT_INTERRUPTED
+    except (IntegrityError, MissingShardError) as exc:
+        if args.cmd != "verify":
+            sys.stderr.write(f"{PROG}: error: {one_line(exc)}\n")
+            return EXIT_ERROR
+        sys.stderr.write(f"{PROG}: verify failed: {one_line(exc)}\n")
+        return EXIT_FOUND
+    except (CkptStoreError, OSError, ValueError, TypeError, ImportError, UsageError) as exc:
+        sys.stderr.write(f"{PROG}: error: {one_line(exc)}\n")
+        return EXIT_ERROR
 
 
 def _store_opts(args: argparse.Namespace) -> dict[str, Any]:
     return {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dataloader", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("convert", help="convert a folder of .jsonl/.npy files into a dataset")
-    c.add_argument("src", type=Path)
-    c.add_argument("dest")
-    c.add_argument("--format", choices=["auto", "jsonl", "npy"], default="auto")
-    c.add_argument("--field", default="data", help="field name for .npy samples")
-    c.add_argument(
-        "--schema",
-        action="append",
-        default=[],
-        metavar="FIELD=KIND",
-        help="declare a field's kind (scalar, fixed, ragged, bytes, str)",
-    )
-    c.add_argument("--rows-per-chunk", type=int)
-    c.add_argument("--compression", choices=["zstd"])
-    c.add_argument("--overwrite", action="store_true")
-    c.add_argument("--json", action="store_true", help="print the summary as JSON")
-    for name in ("info", "verify"):
-        q = sub.add_parser(
-            name, help="print a dataset's summary" if name == "info" else "check every chunk"
-        )
-        q.add_argument("uri")
-        q.add_argument("--json", action="store_true")
-    for sp in sub.choices.values():
-        sp.add_argument("--endpoint-url", help="S3 endpoint (e.g. http://127.0.0.1:9000)")
-    args = p.parse_args(argv)
+def _schema(items: list[str]) -> dict[str, str]:
+    schema = {}
+    for item in items:
+        name, sep, kind = item.partition("=")
+        if not sep:
+            raise UsageError(f"--schema wants FIELD=KIND, got {item!r}")
+        schema[name] = kind
+    return schema
+
+
+def convert(args: argparse.Namespace) -> dict[str, Any]:
+    """The `convert` command: returns the new dataset's summary."""
+    from .partitions import _clear_target, gc_partitions
+    from .writer import write_dataset
+
+    opts = _store_opts(args)
+    fmt = "numpy" if args.format == "npy" else args.format
+    source = open_source(args.src, fmt, field=args.field, split=args.split)
+    schema = _schema(args.schema)
+    store = open_store(args.dest, **opts)
     try:
-        return _run(args)
-    except (CkptStoreError, OSError, ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        if store.exists(INDEX_KEY) and not args.overwrite:
+            raise FileExistsError(
+                f"{store.uri}: a dataset exists here already (pass --overwrite to replace it)"
+            )
+        show = not (args.no_progress or args.json)
+        try:
+            if source.file_samples is not None and isinstance(args.dest, str) and not (
+                args.dest.startswith("memory://")
+            ):  # file by file, in processes: parsing scales too
+                from .sources.by_file import convert_by_file
+
+                if args.overwrite:
+                    _clear_target(store, True)
+                with progress_bar(f"converting {source.format}", source.num_samples,
+                                  show) as advance:
+                    index = convert_by_file(
+                        args.dest, source, args.workers, schema=schema,
+                        rows_per_chunk=args.rows_per_chunk, compression=args.compression,
+                        store_options=opts, metadata={"source": source.metadata()},
+                        on_samples=advance,
+                    )
+            else:
+                samples = counted(source.samples(), f"converting {source.format}",
+                                  source.num_samples, show)
+                index = write_dataset(
+                    store, samples, workers=args.workers, schema=schema,
+                    rows_per_chunk=args.rows_per_chunk, compression=args.compression,
+                    overwrite=args.overwrite, metadata={"source": source.metadata()},
+                )
+        except BaseException:
+            if not store.exists(INDEX_KEY):  # nothing was committed: drop the partial parts
+                gc_partitions(store, grace_seconds=0)
+            raise
+        return summary(index, args.dest)
+    finally:
+        store.close()
+
+
+def verify(ds: Any, show: bool) -> None:
+    """Read every block of `ds` (chunk digests are checked as they are read)."""
+    from .pipeline import Executors
+
+    n = ds.index.num_blocks
+    ex = Executors(4)
+    try:
+        groups = counted(range(0, n, 16), "verifying", -(-n // 16), show)
+        for b0 in groups:
+            ds.reader.load_blocks(list(range(b0, min(b0 + 16, n))), ex.io)
+    finally:
+        ex.shutdown()
 
 
 def _run(args: argparse.Namespace) -> int:
-    opts = _store_opts(args)
     if args.cmd == "convert":
-        fmt, files = _source_files(args.src, args.format)
-        schema = {}
-        for item in args.schema:
-            name, sep, kind = item.partition("=")
-            if not sep:
-                raise ValueError(f"--schema wants FIELD=KIND, got {item!r}")
-            schema[name] = kind
-        samples = iter_jsonl(files) if fmt == "jsonl" else iter_npy(files, args.field)
-        index = write_dataset(
-            args.dest,
-            samples,
-            schema=schema,
-            rows_per_chunk=args.rows_per_chunk,
-            compression=args.compression,
-            overwrite=args.overwrite,
-            store_options=opts,
-            metadata={"source": {"format": fmt, "files": len(files)}},
-        )
-        s = summary(index, args.dest)
+        s = convert(args)
     else:
-        store = open_store(args.uri, **opts)
         from .dataset import StreamingDataset
 
-        ds = StreamingDataset(store)
+        ds = StreamingDataset(args.uri, store_options=_store_opts(args))
         s = summary(ds.index, args.uri)
         if args.cmd == "verify":
-            from .pipeline import Executors
-
-            ex = Executors(4)
-            try:
-                for b0 in range(0, ds.index.num_blocks, 16):
-                    ds.reader.load_blocks(list(range(b0, min(b0 + 16, ds.index.num_blocks))), ex.io)
-            finally:
-                ex.shutdown()
+            verify(ds, not (args.no_progress or args.json))
             s["verified"] = True
     if args.json:
         print(json.dumps(s, indent=2))
@@ -223,7 +275,7 @@ def _run(args: argparse.Namespace) -> int:
         _print_summary(s)
         if s.get("verified"):
             print("verified     every chunk matches its digest")
-    return 0
+    return EXIT_OK
 
 
-__all__ = ["INDEX_KEY", "main", "summary"]
+__all__ = ["INDEX_KEY", "PROG", "build_parser", "main", "summary"]

@@ -1,18 +1,24 @@
 """StreamingDataset: a dataset in a store, read window by window in a deterministic order.
 
 Use it through `StreamingLoader` (threads, batches, exact resume), or iterate it directly /
-under torch's DataLoader (IterableDataset protocol: one sample dict at a time; torch workers
-split the rank's items in runs of `batch_size`, so torch's round-robin collation of worker
-batches restores the rank's order when its batch_size matches).
+under torch's DataLoader (IterableDataset protocol: one sample dict at a time). Under torch's
+DataLoader with worker processes, give the dataset the DataLoader's `num_workers` and
+`batch_size`: each worker then reads only the windows it serves, and the order torch's
+round-robin delivers is fixed by those two numbers (lanes.py), so states stay exact.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from typing import Any
+
+import numpy as np
 
 from ckptstore.errors import ObjectNotFoundError
 from ckptstore.stores import Store, open_store
@@ -27,14 +33,27 @@ from .format import (
     check_zarr_metadata,
     load_index,
 )
+from .lanes import delivered, remaining, schedule, worker_pieces
 from .metrics import Metrics
-from .order import BALANCE, MAX_WORLD_SIZE, EpochOrder, Piece, advance, rank_plan
+from .order import (
+    BALANCE,
+    MAX_WORLD_SIZE,
+    EpochOrder,
+    Piece,
+    advance,
+    as_intervals,
+    merge_intervals,
+    rank_plan,
+)
+from .order_full import FullOrder
 from .pipeline import dataset_windows
-from .reader import BlockReader
+from .reader import BlockReader, InlineExecutor
 from .state import Progress, fresh, from_state, to_state
-from .views import PlainView
+from .views import GatheredView, PlainView, merge_parts
 
 _DEFAULT_WINDOW_BYTES = 32 << 20
+SHUFFLE_MODES = ("window", "full")
+_RANDOM_BLOCKS = 4  # decoded blocks kept for random access (ds[i])
 
 
 def detect_topology() -> tuple[int, int]:
@@ -64,19 +83,59 @@ def _torch_worker() -> tuple[int, int]:
     return (info.id, info.num_workers) if info is not None else (0, 1)
 
 
+class _BlockLRU:
+    """Decoded blocks kept across windows of the full-permutation order, least recently used
+    evicted past `limit_bytes` (0: none kept). Thread-safe."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit, self.nbytes = limit_bytes, 0
+        self._blocks: dict[int, tuple[Any, int]] = {}
+        self._lock = threading.Lock()
+
+    def load(self, blocks: list[int], fetch: Any) -> list[Any]:
+        with self._lock:
+            hits = {b: self._blocks.pop(b) for b in blocks if b in self._blocks}
+            for b, v in hits.items():
+                self._blocks[b] = v  # most recently used last
+        missing = [b for b in blocks if b not in hits]
+        fetched = dict(zip(missing, fetch(missing), strict=True)) if missing else {}
+        with self._lock:
+            for b, blk in fetched.items():
+                size = _block_size(blk)
+                if size <= self.limit and b not in self._blocks:
+                    self._blocks[b] = (blk, size)
+                    self.nbytes += size
+            while self.nbytes > self.limit and self._blocks:
+                _, size = self._blocks.pop(next(iter(self._blocks)))
+                self.nbytes -= size
+        return [hits[b][0] if b in hits else fetched[b] for b in blocks]
+
+
+def _block_size(block: Any) -> int:
+    total = 0
+    for col in block.values():
+        for arr in col if isinstance(col, tuple) else (col,):
+            total += int(arr.nbytes) if arr is not None else 0
+    return total
+
+
 class StreamingDataset:
     """A dataset written by `write_dataset`, streamed from any ckptstore store.
 
     Order: with `shuffle`, blocks are permuted per epoch and items permuted within windows of
     about `shuffle_window` samples (default: ~32 MiB of data); the order depends only on
-    (seed, epoch, dataset). Ranks: `rank`/`world_size` default to torch.distributed's (else
-    0/1); each rank gets a contiguous, near-equal share of the epoch; `balance` 'drop' or 'pad'
-    makes the shares exactly equal. Reading: `fields` selects columns; `cache_dir` (with
-    `cache_limit_bytes`) keeps verified chunks locally; `io_threads` and `prefetch_bytes`
-    apply when the dataset is iterated directly (StreamingLoader has its own).
+    (seed, epoch, dataset). `shuffle_mode="full"`: a pseudo-random permutation of all the
+    epoch's samples instead (reads amplified, see docs/dataloader.md; decoded blocks are kept
+    across windows up to `block_cache_bytes`). Ranks: `rank`/`world_size` default to
+    torch.distributed's (else 0/1); each rank gets a contiguous, near-equal share of the
+    epoch; `balance` 'drop' or 'pad' makes the shares exactly equal. Reading: `fields`
+    selects columns; `cache_dir` (with `cache_limit_bytes`) keeps verified chunks locally;
+    `io_threads` and `prefetch_bytes` apply when the dataset is iterated directly
+    (StreamingLoader has its own).
     """
 
     kind = "dataset"
+    full_shuffle_supported = True
 
     def __init__(
         self,
@@ -85,6 +144,8 @@ class StreamingDataset:
         shuffle: bool = False,
         seed: int = 0,
         shuffle_window: int | None = None,
+        shuffle_mode: str = "window",
+        block_cache_bytes: int = 256 << 20,
         rank: int | None = None,
         world_size: int | None = None,
         balance: str = "none",
@@ -96,9 +157,14 @@ class StreamingDataset:
         merge_gap: int = 1 << 20,
         max_request: int = 16 << 20,
         batch_size: int = 1,
+        num_workers: int = 0,
         store_options: Mapping[str, Any] | None = None,
     ) -> None:
         seed = check_int(seed, "seed", 0, None, ValueError)
+        if shuffle_mode not in SHUFFLE_MODES:
+            raise ValueError(f"shuffle_mode must be one of {SHUFFLE_MODES}, got {shuffle_mode!r}")
+        if shuffle_mode == "full" and not self.full_shuffle_supported:
+            raise ValueError(f"{type(self).__name__} supports shuffle_mode='window' only")
         if balance not in BALANCE:
             raise ValueError(f"balance must be one of {BALANCE}, got {balance!r}")
         if (rank is None) != (world_size is None):
@@ -116,8 +182,15 @@ class StreamingDataset:
                 " was the write finished?)"
             ) from None
         self.fields: tuple[FieldInfo, ...] = self._select_fields(fields)
-        check_zarr_metadata(self.store, self.index, self.index.array_paths(self.fields))
+        if not self.index.partitions:  # a partition's arrays are checked on its first read
+            with ThreadPoolExecutor(8, thread_name_prefix="dataloader-open") as pool:
+                check_zarr_metadata(
+                    self.store, self.index, self.index.array_paths(self.fields), executor=pool
+                )
         self.shuffle, self.seed = bool(shuffle), seed
+        self.full_shuffle = self.shuffle and shuffle_mode == "full"
+        self._blocks = _BlockLRU(check_int(block_cache_bytes, "block_cache_bytes", 0, None,
+                                           ValueError))
         self.balance = balance
         self._rank, self._world = rank, world_size
         rows = self.index.rows_per_chunk
@@ -143,12 +216,17 @@ class StreamingDataset:
         )
         self._block_nbytes = self.index.block_nbytes(self.fields)
         self._block_starts = self.index.block_starts()
+        self._block_rows = self.index.block_rows()
         self.io_threads, self.prefetch_bytes = io_threads, prefetch_bytes
         self.batch_size = max(1, int(batch_size))
+        # torch DataLoader's worker processes (0 or 1: none): they fix the delivery order
+        self.num_workers = check_int(num_workers, "num_workers", 0, 4096, ValueError)
         self._epoch = 0
         self._resume: Progress | None = None
-        self._orders: dict[int, EpochOrder] = {}
+        self._orders: dict[int, Any] = {}
         self._direct: tuple[Progress, int] | None = None
+        self._random_blocks: dict[int, Any] = {}  # ds[i]: a few decoded blocks, LRU
+        self._random_lock = threading.Lock()
         register_with_torch()
 
     def _select_fields(self, names: Sequence[str] | None) -> tuple[FieldInfo, ...]:
@@ -186,15 +264,25 @@ class StreamingDataset:
 
     def order_options(self) -> dict[str, Any]:
         """What the global order depends on besides the dataset (kept in states)."""
-        return {
+        options = {
             "mode": "samples",
             "seed": self.seed,
             "shuffle": self.shuffle,
             "window_blocks": self.window_blocks,
         }
+        if self.full_shuffle:  # absent for window shuffle: older states stay valid
+            options["shuffle_mode"] = "full"
+        if self.num_workers > 1:  # the order torch's worker processes deliver (lanes.py)
+            options["torch_workers"] = [self.num_workers, self.batch_size]
+        return options
 
-    def epoch_order(self, epoch: int) -> EpochOrder:
+    def epoch_order(self, epoch: int) -> Any:
+        """The epoch's order: an EpochOrder (window shuffle, or none) or a FullOrder."""
         order = self._orders.get(epoch)
+        if order is None and self.full_shuffle:
+            rows = int(self.index.rows_per_chunk) * self.window_blocks
+            order = FullOrder(self.seed, epoch, self.index.num_samples, rows)
+            self._orders = {epoch: order}
         if order is None:
             order = EpochOrder.build(
                 self.index.block_rows(),
@@ -212,14 +300,40 @@ class StreamingDataset:
         return None
 
     # -- windows ---------------------------------------------------------------------------
-    def window_nbytes(self, order: EpochOrder, w: int) -> int:
+    def window_nbytes(self, order: Any, w: int) -> int:
+        if isinstance(order, FullOrder):  # the window's samples, at the average sample size
+            per = float(self._block_nbytes.sum()) / max(1, self.index.num_samples)
+            return int(per * int(order.window_items[w]))
         return int(self._block_nbytes[order.window_blocks_of(w)].sum())
 
-    def load_window(self, order: EpochOrder, w: int, io: Any) -> Any:
+    def load_window(self, order: Any, w: int, io: Any) -> Any:
         """Fetch and decode window `w` of `order` (requests on executor `io`); return its view."""
+        if isinstance(order, FullOrder):
+            return self._load_full_window(order, w, io)
         blocks = [int(b) for b in order.window_blocks_of(w)]
         data = self.reader.load_blocks(blocks, io)
         return self.make_view(order, w, blocks, data)
+
+    def _load_full_window(self, order: FullOrder, w: int, io: Any) -> GatheredView:
+        """The samples of a full-permutation window: their blocks are read `window_blocks` at
+        a time (through the block LRU), and only the window's rows are kept."""
+        samples = order.window_samples(w)
+        blocks_of = np.searchsorted(self._block_starts, samples, side="right") - 1
+        needed = np.unique(blocks_of)
+        parts, where = [], []
+        for g in range(0, len(needed), self.window_blocks):
+            group = [int(b) for b in needed[g : g + self.window_blocks]]
+            data = self._blocks.load(group, lambda bs: self.reader.load_blocks(bs, io))
+            sel = np.flatnonzero(np.isin(blocks_of, group))
+            starts = np.concatenate([[0], np.cumsum([self._block_rows[b] for b in group])])
+            slot = np.searchsorted(group, blocks_of[sel])
+            local = starts[slot] + (samples[sel] - self._block_starts[blocks_of[sel]])
+            view = PlainView(self.fields, group, data, self._block_starts, local.astype(np.int64))
+            parts.append(view.gather(0, len(sel)))
+            where.append(sel)
+        perm = np.empty(len(samples), dtype=np.int64)
+        perm[np.concatenate(where)] = np.arange(len(samples), dtype=np.int64)
+        return GatheredView(merge_parts(parts), perm)
 
     def make_view(self, order: EpochOrder, w: int, blocks: list[int], data: list[Any]) -> Any:
         n = int(self.index.block_rows()[blocks].sum())
@@ -239,9 +353,7 @@ class StreamingDataset:
             return fresh(epoch, world, self.balance)
         if r.world_size == world and r.balance == self.balance:
             return r
-        total = self.epoch_order(epoch).total
-        base = advance(total, r.base, r.world_size, r.balance, r.consumed)
-        return Progress(epoch, base, world, self.balance, 0)
+        return Progress(epoch, self._fold(r), world, self.balance, 0)
 
     def pieces(self, progress: Progress) -> tuple[EpochOrder, list[Piece], int]:
         """(order, pieces still to deliver, their item count) for this rank."""
@@ -258,15 +370,31 @@ class StreamingDataset:
         if r is not None and r.epoch == self._epoch:
             if r.world_size == world and r.balance == self.balance:
                 return r
-            total = self.epoch_order(r.epoch).total
-            return Progress(
-                r.epoch,
-                advance(total, r.base, r.world_size, r.balance, r.consumed),
-                world,
-                self.balance,
-                0,
-            )
+            return Progress(r.epoch, self._fold(r), world, self.balance, 0)
         return fresh(self._epoch, world, self.balance)
+
+    def _fold(self, r: Progress) -> Any:
+        """The items delivered by every rank of `r`'s topology, joined to its base."""
+        order = self.epoch_order(r.epoch)
+        if self.num_workers <= 1:
+            return advance(order.total, r.base, r.world_size, r.balance, r.consumed)
+        done = [r.base]
+        for rank in range(r.world_size):  # each rank's delivered items: a schedule prefix
+            plan = rank_plan(order.total, r.base, r.world_size, rank, r.balance)
+            runs = schedule(order.pieces(plan.after(0)), self.num_workers, self.batch_size)
+            done.append(delivered(runs, r.consumed, order.item_starts))
+        return merge_intervals(np.concatenate([as_intervals(d) for d in done]))
+
+    def _lane_pieces(self, progress: Progress, wid: int, nw: int) -> tuple[Any, list[Piece]]:
+        """This worker's pieces in the torch-workers order (all of them when nw == 1)."""
+        rank, world = self.topology()
+        order = self.epoch_order(progress.epoch)
+        plan = rank_plan(order.total, progress.base, world, rank, progress.balance)
+        runs = schedule(order.pieces(plan.after(0)), self.num_workers, self.batch_size)
+        runs = remaining(runs, progress.consumed)
+        if nw > 1:
+            return order, worker_pieces(runs, wid, nw)
+        return order, [p for _, ps in runs for p in ps]
 
     def make_state(
         self, progress: Progress, kind: str | None = None, **extra: Any
@@ -317,14 +445,44 @@ class StreamingDataset:
 
     # -- IterableDataset protocol ----------------------------------------------------------
     def __len__(self) -> int:
+        """Items this rank delivers in the next pass (all of the epoch's items on one rank)."""
         return self.pieces(self.peek_progress())[2]
 
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """Sample `i` of the stored dataset (0 <= i < num_samples, negative counts from the
+        end), in the selected fields, with ``_index`` = i; independent of shuffle, rank and
+        state. Reads (and verifies) the sample's block; the last few blocks read are kept."""
+        n = self.index.num_samples
+        k = operator.index(i)
+        if k < 0:
+            k += n
+        if not 0 <= k < n:
+            raise IndexError(f"sample {i} is out of range (the dataset has {n} samples)")
+        b = int(np.searchsorted(self._block_starts, k, side="right")) - 1
+        with self._random_lock:
+            block = self._random_blocks.pop(b, None)
+        if block is None:
+            block = self.reader.load_blocks([b], InlineExecutor())[0]
+        with self._random_lock:
+            self._random_blocks[b] = block  # most recently used last
+            while len(self._random_blocks) > _RANDOM_BLOCKS:
+                self._random_blocks.pop(next(iter(self._random_blocks)))
+        local = np.asarray([k - int(self._block_starts[b])], dtype=np.int64)
+        return PlainView(self.fields, [b], [block], self._block_starts, local).sample(0)
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        progress = self.begin(self._epoch)
-        order, pieces, _ = self.pieces(progress)
         wid, nw = _torch_worker()
-        if nw > 1:
-            pieces = _worker_pieces(pieces, wid, nw, self.batch_size)
+        if nw > 1 and nw != self.num_workers:
+            raise ValueError(
+                f"this dataset runs in torch DataLoader worker processes ({nw}): create it with"
+                f" num_workers={nw} and batch_size=<the DataLoader's>, so that its states"
+                " describe the order the workers deliver"
+            )
+        progress = self.begin(self._epoch)
+        if self.num_workers > 1:
+            order, pieces = self._lane_pieces(progress, wid, nw)
+        else:
+            order, pieces, _ = self.pieces(progress)
         self._direct = (progress, 0)
         windows = dataset_windows(self, order, pieces, self.io_threads, self.prefetch_bytes)
         with closing(windows) as views:
@@ -336,22 +494,3 @@ class StreamingDataset:
                     self._direct = (progress, count)
                     yield sample
 
-
-def _worker_pieces(pieces: list[Piece], wid: int, nw: int, run: int) -> list[Piece]:
-    """The sub-pieces of torch worker `wid`: rank positions p with (p // run) % nw == wid."""
-    out: list[Piece] = []
-    pos = 0
-    for p in pieces:
-        i = p.start
-        while i < p.stop:
-            k = pos // run
-            run_end = (k + 1) * run
-            n = min(p.stop - i, run_end - pos)
-            if k % nw == wid:
-                if out and out[-1].window == p.window and out[-1].stop == i:
-                    out[-1] = Piece(p.window, out[-1].start, i + n)
-                else:
-                    out.append(Piece(p.window, i, i + n))
-            i += n
-            pos += n
-    return out

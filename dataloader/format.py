@@ -38,6 +38,7 @@ import json
 import math
 import re
 import reprlib
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any, TypeGuard
 
@@ -208,17 +209,29 @@ def load_index(store: Store) -> DatasetIndex:
     return DatasetIndex.from_bytes(read_capped(store, INDEX_KEY, MAX_INDEX_BYTES, where), where)
 
 
-def check_zarr_metadata(store: Store, index: DatasetIndex, paths: list[str]) -> None:
-    """Check that the zarr metadata (``<path>/zarr.json``) of each array agrees with the
-    index: a forged index must not make the reader reinterpret stored bytes."""
-    for path in paths:
-        key = f"{path}/zarr.json"
+def check_zarr_metadata(
+    store: Store, index: DatasetIndex, paths: list[str], prefix: str = "",
+    executor: Executor | None = None,
+) -> None:
+    """Check that the zarr metadata (``<prefix><path>/zarr.json``) of each array agrees with
+    the index: a forged index must not make the reader reinterpret stored bytes. With an
+    `executor` the reads run concurrently (the first failure is raised)."""
+
+    def check(path: str) -> None:
+        key = f"{prefix}{path}/zarr.json"
         where = f"{store.uri}/{key}"
         try:
             raw = read_capped(store, key, MAX_ZARR_JSON_BYTES, where)
         except ObjectNotFoundError:
             raise FormatError(f"{where}: missing (the dataset is incomplete)") from None
         index.arrays[path].check_zarr(parse_json(raw, where), where)
+
+    if executor is None:
+        for path in paths:
+            check(path)
+        return
+    for fut in [executor.submit(check, path) for path in paths]:
+        fut.result()
 
 
 @dataclass(frozen=True)

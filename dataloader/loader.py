@@ -45,6 +45,12 @@ class StreamingLoader:
         drop_last: bool = False,
         collate: Collate = "numpy",
     ) -> None:
+        if getattr(dataset, "num_workers", 0) > 1:
+            raise ValueError(
+                "this dataset was made for torch's DataLoader worker processes (num_workers="
+                f"{dataset.num_workers}); StreamingLoader has its own threads: create the"
+                " dataset without num_workers"
+            )
         self.dataset = dataset
         self.batch_size = check_int(batch_size, "batch_size", 1, None, ValueError)
         self.num_workers = int(num_workers)

@@ -134,6 +134,11 @@ class MixedLoader:
         if any(n != names[0] for n in names) or len({type(d) for d in datasets}) != 1:
             raise ValueError(f"mixed datasets must have the same fields and mode, got {names}")
         seed = check_int(seed, "seed", 0, None, ValueError)
+        if any(getattr(d, "num_workers", 0) > 1 for d in datasets):
+            raise ValueError(
+                "a dataset made for torch's DataLoader worker processes (num_workers > 1)"
+                " cannot be mixed: MixedLoader has its own threads"
+            )
         self.datasets = list(datasets)
         self.weights = (w / w.sum()).tolist()
         self.batch_size = check_int(batch_size, "batch_size", 1, None, ValueError)

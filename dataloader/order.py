@@ -105,20 +105,24 @@ class EpochOrder:
         return rng_for(self.seed, self.epoch, _TAG_WINDOW, w).permutation(n).astype(np.int64)
 
     def pieces(self, segments: list[tuple[int, int]]) -> list[Piece]:
-        """Split global item intervals into per-window pieces, merging neighbours."""
-        out: list[Piece] = []
-        starts = self.item_starts
-        for a, b in segments:
-            while a < b:
-                w = int(np.searchsorted(starts, a, side="right")) - 1
-                end = min(b, int(starts[w + 1]))
-                p = Piece(w, a - int(starts[w]), end - int(starts[w]))
-                if out and out[-1].window == w and out[-1].stop == p.start:
-                    out[-1] = Piece(w, out[-1].start, p.stop)
-                else:
-                    out.append(p)
-                a = end
-        return out
+        return split_pieces(self.item_starts, segments)
+
+
+def split_pieces(starts: np.ndarray, segments: list[tuple[int, int]]) -> list[Piece]:
+    """Split global item intervals into per-window pieces (window w holds items
+    [starts[w], starts[w+1])), merging neighbours."""
+    out: list[Piece] = []
+    for a, b in segments:
+        while a < b:
+            w = int(np.searchsorted(starts, a, side="right")) - 1
+            end = min(b, int(starts[w + 1]))
+            p = Piece(w, a - int(starts[w]), end - int(starts[w]))
+            if out and out[-1].window == w and out[-1].stop == p.start:
+                out[-1] = Piece(w, out[-1].start, p.stop)
+            else:
+                out.append(p)
+            a = end
+    return out
 
 
 # -- intervals ---------------------------------------------------------------------------

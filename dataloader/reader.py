@@ -33,7 +33,7 @@ from ckptstore.stores import Store
 
 from .cache import ChunkCache
 from .errors import MissingShardError
-from .format import EMPTY, ArrayInfo, DatasetIndex
+from .format import EMPTY, ArrayInfo, DatasetIndex, check_zarr_metadata
 from .metrics import Metrics
 
 ChunkId = tuple[str, int]  # (array path, chunk number)
@@ -75,6 +75,9 @@ class BlockReader:
         self._indexes: dict[tuple[str, int], np.ndarray] = {}
         self._lock = threading.Lock()
         self._zstd: Any = None
+        # A partition's zarr metadata is checked on its first read (StreamingDataset checks a
+        # v1 dataset's at open): opening a dataset of many partitions costs one request.
+        self._meta_checked = not prefix
         # A partitioned dataset: one reader per partition, blocks numbered across them.
         self._parts: list[BlockReader] = []
         self._part_start = np.zeros(0, dtype=np.int64)
@@ -225,8 +228,12 @@ class BlockReader:
         for b, p in zip(blocks, where.tolist(), strict=True):
             wanted.setdefault(p, []).append(int(b) - int(self._part_start[p]))
         chunks = {p: self._parts[p].chunks_for_blocks(local) for p, local in wanted.items()}
+        checks = [
+            executor.submit(self._parts[p].check_metadata) for p in chunks
+            if not self._parts[p]._meta_checked
+        ]
         index_jobs = [self._parts[p]._submit_shard_indexes(c, executor) for p, c in chunks.items()]
-        _wait_all([f for jobs in index_jobs for f in jobs])
+        _wait_all(checks + [f for jobs in index_jobs for f in jobs])  # before any decode
         decoded: dict[int, dict[ChunkId, np.ndarray]] = {}
         futures: list[tuple[int, Future[Any]]] = []
         for p, c in chunks.items():
@@ -239,6 +246,13 @@ class BlockReader:
             self._parts[p]._assemble(int(b) - int(self._part_start[p]), decoded[p])
             for b, p in zip(blocks, where.tolist(), strict=True)
         ]
+
+    def check_metadata(self) -> None:
+        """Check this partition's zarr.json files against its index (once)."""
+        if not self._meta_checked:
+            paths = sorted({p for f in self.fields for p in f.arrays.values()})
+            check_zarr_metadata(self.store, self.index, paths, self.prefix)
+            self._meta_checked = True
 
     def _fetch(self, key: str, req: MergedRange[_Part]) -> list[tuple[ChunkId, np.ndarray]]:
         buf = np.empty(req.length, dtype=np.uint8)  # not zero-filled

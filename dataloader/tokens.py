@@ -31,6 +31,7 @@ class TokenDataset(StreamingDataset):
     """A StreamingDataset whose items are packed token sequences of `seq_len`."""
 
     kind = "dataset"
+    full_shuffle_supported = False  # sequences are packed from a window's whole documents
 
     def __init__(
         self,

@@ -107,6 +107,25 @@ class PlainView:
         return {k: v[0] for k, v in b.items()}
 
 
+class GatheredView:
+    """Items are the rows of an already gathered batch, served in the order `perm` (the
+    full-permutation order: a window's samples gathered block group by block group)."""
+
+    def __init__(self, batch: Batch, perm: np.ndarray) -> None:
+        self.batch, self.perm = batch, perm
+
+    def gather(self, start: int, stop: int) -> Batch:
+        rows = self.perm[start:stop]
+        return {
+            k: v[rows] if isinstance(v, np.ndarray) else [v[int(j)] for j in rows]
+            for k, v in self.batch.items()
+        }
+
+    def sample(self, item: int) -> dict[str, Any]:
+        b = self.gather(item, item + 1)
+        return {k: v[0] for k, v in b.items()}
+
+
 def _first(blk: Block, fields: Sequence[FieldInfo]) -> np.ndarray:
     col = blk[fields[0].name]
     return col if isinstance(col, np.ndarray) else col[1][:-1]

@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,25 +23,53 @@ def upload(local: str, uri: str, endpoint: str) -> None:
         s3.upload_file(os.path.join(local, name), bucket, f"{prefix}/{name}")
 
 
+def _piece(kind: str, scale: float, field: str, piece: tuple[int, int]):  # type: ignore[no-untyped-def]
+    for x in synth.sample_range(kind, scale, *piece):
+        yield {field: x}
+
+
+def order_phase(work: str) -> dict:
+    """The small id dataset through litdata's writer and a shuffled StreamingDataset."""
+    from litdata import StreamingDataset
+    from litdata.streaming.writer import BinaryWriter
+
+    out = os.path.join(work, "order")
+    os.makedirs(out, exist_ok=True)
+    w = BinaryWriter(out, chunk_bytes="1MB")
+    for i, p in synth.order_samples():
+        w.add_item(i, {"id": i, "data": p})
+    w.done()
+    w.merge()
+    ds = StreamingDataset(out, shuffle=True, seed=0)
+    return {"default": [int(s["id"]) for s in ds]}
+
+
 def main() -> None:
     phase, cfg = common.config()
     kind, scale, uri, work = cfg["kind"], cfg["scale"], cfg["uri"], cfg["work"]
     field = "tokens" if kind == "tokens" else "data"
     if phase == "write":
-        from litdata.streaming.writer import BinaryWriter
+        from litdata import optimize
 
         t0 = time.perf_counter()
         out = uri if not uri.startswith("s3://") else os.path.join(work, "staging")
-        os.makedirs(out, exist_ok=True)
-        w = BinaryWriter(out, chunk_bytes="64MB")
-        for i, x in enumerate(synth.samples(kind, scale)):
-            w.add_item(i, {field: x})
-        w.done()
-        w.merge()
+        n = synth.count(kind, scale)
+        pieces = [(a, min(a + 4096, n)) for a in range(0, n, 4096)]
+        optimize(
+            fn=partial(_piece, kind, scale, field),
+            inputs=pieces,
+            output_dir=out,
+            chunk_bytes="64MB",
+            num_workers=cfg.get("peer_write_workers", 2),
+            verbose=False,
+        )
         if uri.startswith("s3://"):
             upload(out, uri, cfg["endpoint"])
             shutil.rmtree(out)
         common.emit({"write_s": time.perf_counter() - t0})
+        return
+    if phase == "order":
+        common.emit(order_phase(work))
         return
 
     import litdata.streaming.downloader as downloader

@@ -14,6 +14,49 @@ import common  # noqa: E402
 import synth  # noqa: E402
 
 
+def stub_torchvision() -> None:
+    """streaming imports torchvision (for its vision datasets, unused here) at import time;
+    where the installed torchvision does not load beside this torch, stand in an empty one."""
+    import importlib.machinery
+    import types
+
+    try:
+        import torchvision  # noqa: F401
+
+        return
+    except Exception:
+        for k in [k for k in sys.modules if k.split(".")[0] == "torchvision"]:
+            del sys.modules[k]
+    tv = types.ModuleType("torchvision")
+    tv.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
+    ds = types.ModuleType("torchvision.datasets")
+    tr = types.ModuleType("torchvision.transforms")
+    fn = types.ModuleType("torchvision.transforms.functional")
+    ds.VisionDataset = ds.CIFAR10 = object  # type: ignore[attr-defined]
+    fn.to_tensor = None  # type: ignore[attr-defined]
+    tr.functional = fn  # type: ignore[attr-defined]
+    tv.datasets, tv.transforms = ds, tr  # type: ignore[attr-defined]
+    sys.modules.update({"torchvision": tv, "torchvision.datasets": ds,
+                        "torchvision.transforms": tr, "torchvision.transforms.functional": fn})
+
+
+stub_torchvision()
+
+
+def order_phase(work: str) -> dict:
+    """The small id dataset through MDSWriter and a shuffled StreamingDataset."""
+    from streaming import MDSWriter, StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    out = os.path.join(work, "order")
+    with MDSWriter(out=out, columns={"id": "int", "data": "bytes"}, size_limit="1mb") as w:
+        for i, p in synth.order_samples():
+            w.write({"id": i, "data": p})
+    ds = StreamingDataset(local=out, shuffle=True, shuffle_seed=0, batch_size=1)
+    return {"default (py1e)": [int(s["id"]) for s in ds]}
+
+
 def upload(local: str, uri: str, endpoint: str) -> None:
     import boto3
 
@@ -31,6 +74,9 @@ def main() -> None:
     if cfg.get("endpoint"):
         os.environ["S3_ENDPOINT_URL"] = cfg["endpoint"]
     field = "tokens" if kind == "tokens" else "data"
+    if phase == "order":
+        common.emit(order_phase(work))
+        return
     if phase == "write":
         from streaming import MDSWriter
 

@@ -46,3 +46,30 @@ def samples(kind: str, scale: float, block: int = 4096) -> Iterator[np.ndarray |
     for i, s in enumerate(sizes):
         off = (i * 7919 * 4099) % (POOL - int(s))
         yield pool[off : off + int(s)]
+
+
+def sample_range(kind: str, scale: float, start: int, stop: int) -> Iterator[np.ndarray | bytes]:
+    """Samples [start, stop) (start a multiple of 4,096 for tokens): the same values as
+    `samples`, for writers that split the work (litdata's optimize)."""
+    if kind == "tokens":
+        assert start % 4096 == 0
+        n = count(kind, scale)
+        for b0 in range(start, min(stop, n), 4096):
+            rng = np.random.default_rng([7, b0])
+            m = min(4096, n - b0)
+            arr = rng.integers(0, VOCAB, size=(m, SEQ), dtype=np.int32)
+            yield from arr[: max(0, min(m, stop - b0))]
+        return
+    sizes = byte_sizes(scale)
+    pool = np.random.default_rng(9).bytes(POOL)
+    for i in range(start, min(stop, len(sizes))):
+        s = int(sizes[i])
+        off = (i * 7919 * 4099) % (POOL - s)
+        yield pool[off : off + s]
+
+
+def order_samples(n: int = 8192, size: int = 1024) -> Iterator[tuple[int, bytes]]:
+    """A small dataset for the shuffle-quality statistic: (id, payload) pairs."""
+    rng = np.random.default_rng(3)
+    for i in range(n):
+        yield i, rng.bytes(size)

@@ -99,17 +99,23 @@ def test_torch_collate_and_torch_dataloader(small_uri):
     b = next(iter(loader))
     assert isinstance(b["image"], torch.Tensor) and b["image"].shape == (16, 2, 3)
     assert isinstance(b["tokens"][0], torch.Tensor) and isinstance(b["text"][0], str)
-    # torch's own DataLoader with worker processes: each sample exactly once, order kept
+    # torch's own DataLoader with worker processes: each sample exactly once, in the order
+    # the dataset (told num_workers and batch_size) delivers when iterated directly
     ds = dataloader.StreamingDataset(
-        small_uri, fields=["id", "image"], shuffle=True, seed=5, batch_size=8, io_threads=1
+        small_uri, fields=["id", "image"], shuffle=True, seed=5, batch_size=8, io_threads=1,
+        num_workers=2,
     )
     want = [
         int(s["_index"])
-        for s in dataloader.StreamingDataset(small_uri, fields=["id"], shuffle=True, seed=5)
+        for s in dataloader.StreamingDataset(
+            small_uri, fields=["id"], shuffle=True, seed=5, batch_size=8, num_workers=2
+        )
     ]
     dl = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2)
     got = [int(x) for b in dl for x in b["id"]]
-    assert got == want
+    assert got == want and sorted(got) == list(range(523))
+    with pytest.raises(Exception, match="num_workers=3"):  # told another worker count
+        list(torch.utils.data.DataLoader(ds, batch_size=8, num_workers=3))
 
 
 def test_dataset_state_for_torch_dataloader(small_uri):
@@ -186,11 +192,11 @@ def test_cli_convert_info_verify(tmp_path, capsys):
     assert main(["convert", str(npy), str(tmp_path / "ds2"), "--field", "tokens"]) == 0
     got = [s["tokens"] for s in dataloader.StreamingDataset(str(tmp_path / "ds2"))]
     assert [len(g) for g in got] == [1, 2, 3, 4, 5] and got[0].dtype == np.int16
-    assert main(["info", str(tmp_path / "nothing")]) == 1
+    assert main(["info", str(tmp_path / "nothing")]) == 2
     assert "dataset.json" in capsys.readouterr().err
     with open(src / "b.jsonl", "w") as f:
         f.write('{"id": {"nested": 1}}\n')
-    assert main(["convert", str(src), str(tmp_path / "ds3")]) == 1
+    assert main(["convert", str(src), str(tmp_path / "ds3")]) == 2
     assert "b.jsonl:1" in capsys.readouterr().err
     # the module entry point works as a program
     run = subprocess.run(

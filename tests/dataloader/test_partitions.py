@@ -305,3 +305,21 @@ def test_concurrent_duplicate_partition_writes(tmp_path: Path, samples: list[dic
     assert receipts[1] == receipts[2] and receipts[3] == receipts[4]
     dataloader.commit_dataset(uri, receipts)
     _same(_read_all(uri), [s for p in (0, 2, 3, 4) for s in parts[p]])
+
+
+def test_partition_zarr_metadata_checked_on_first_read(samples: list[dict]) -> None:
+    """Opening a partitioned dataset reads dataset.json only; a partition's zarr.json files
+    are checked before any of its chunks is decoded, so a forged one is still refused."""
+    uri = _uri()
+    dataloader.commit_dataset(uri, _write_all(uri, samples, [0, 1, 2, 3, 4]))
+    store = open_store(uri)
+    key = "parts/000003/id/zarr.json"
+    z = json.loads(store.get(key))
+    z["data_type"] = "uint64"  # same size: digests would still match
+    store.put(key, json.dumps(z).encode())
+    ds = dataloader.StreamingDataset(uri)  # opens: partition 3 is not read yet
+    assert ds.reader._parts[0]._meta_checked is False
+    with pytest.raises(FormatError, match="data_type"):
+        _read_all(uri)
+    ok = [s for s in _read_all(uri, fields=["text"])]  # other arrays of partition 3 are fine
+    assert len(ok) == sum(SIZES)
