@@ -77,3 +77,20 @@ def test_lazy_tier_opens_on_first_use_after_the_outage(tmp_path: Path) -> None:
     assert tier.reachable and tier.get("k") == b"x" and len(attempts) == 2
     assert len(checked) == 1  # the marker check ran once, on the open
     tier.close()
+
+
+def test_manager_saves_and_restores_while_far_tier_is_down(tmp_path: Path, s3_uri: str) -> None:
+    tiers = [str(tmp_path / "near"), s3_uri]
+    mgr = ckptstore.CheckpointManager(tiers, keep_last=[2, 5], endpoint_url=dead_endpoint(),
+                                      replication_retry=FAST_RETRY, **QUICK_S3)
+    try:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": np.full(1000, step, dtype=np.float32)})
+        # retention ran on tier 0 only: the pending replications keep every checkpoint there
+        assert sorted(mgr.steps()) == [1, 2, 3]
+        into = {"w": np.zeros(1000, dtype=np.float32)}
+        assert mgr.restore(into) == 3 and into["w"][0] == 3
+        with pytest.raises(ReplicationError):
+            mgr.wait()
+    finally:
+        mgr.repo.close(wait_replication=False)

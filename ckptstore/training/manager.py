@@ -243,7 +243,7 @@ class CheckpointManager:
             history = self.repo.history()
             self._since = [0]
             for tier in self.repo.tiers[1:]:
-                held = set(tier.names())
+                held = set(tier.names()) if tier.reachable else set()  # unknown: due now
                 last = max((i for i, name in enumerate(history) if name in held), default=-1)
                 self._since.append(len(history) - 1 - last if last >= 0 else 1 << 30)
         due = self.tier_policy.due(self._since)
@@ -260,11 +260,16 @@ class CheckpointManager:
             holdings = [set(history)]
             waiting: set[int] = set()
         else:
+            # a far tier not reached yet (down at open) counts as holding nothing, so the
+            # nearer tiers keep more, and its own retention waits until it is reached
             holdings = [{int(m.group(1)) for name in t.names()
-                         if (m := STEP_NAME.fullmatch(name))} for t in tiers]
+                         if (m := STEP_NAME.fullmatch(name))} if t.reachable else set()
+                        for t in tiers]
             waiting = {int(m.group(1)) for r in pending.read_records(tiers[0].store)
                        if (m := STEP_NAME.fullmatch(r.name))}
         for i, tier in enumerate(tiers):
+            if not tier.reachable:
+                continue
             for step in self.tier_policy.to_delete(i, holdings, history, saved, waiting):
                 name = self.name_of(step)
                 try:
