@@ -17,13 +17,14 @@ Exchange (`replicate`) of checkpoint `name`:
      committed), writes it, syncs, then creates the sender's manifest create-only.
 
 Restore (`fetch`): a rank whose tier 0 lacks the chosen checkpoint gets manifest and the blobs
-its tier 0 lacks from the first live holder of its copy and verifies each on arrival (while
-the next round travels). They stay in memory (`ReceivedBlobs`): the state is loaded straight
-from them (tier 0, then the far tier, for chunks no peer provided), and only then
-`persist` writes them to tier 0 in the background (blobs, sync, manifest last), which makes
-the checkpoint whole there again; `settle` waits for that write (the manager calls it before
-its next save, restore or wait). A failed write is a warning: the copy on the peer and the
-far tier are untouched.
+its tier 0 lacks from the first live holder of its copy. They stay in memory
+(`ReceivedBlobs`): the state is loaded straight from them (the load verifies every chunk it
+reads; a bad or missing one comes from tier 0, then the far tier), and only then `persist`
+re-hashes each blob against its name and writes it to tier 0 in the background (blobs, sync,
+manifest last), which makes the checkpoint whole there again; `settle` waits for that write
+(the manager calls it before its next save, restore or wait). A failed write (or a corrupt
+blob) is a warning and commits no manifest: the copy on the peer and the far tier are
+untouched.
 """
 
 from __future__ import annotations
@@ -225,8 +226,16 @@ class PeerReplicas:
     def _persist(self, name: str, received: ReceivedBlobs) -> None:
         store = self.repo.tiers[0].store
         blobs = [k for k in received.keys() if k != manifest_key(name)]
+
+        def write(key: str) -> None:
+            data = received.view(key)
+            if blob_key(self.repo.hash.digest(data)) != key:
+                raise IntegrityError(f"{key} received from a peer is corrupt; checkpoint "
+                                     f"{name!r} was not written to tier 0")
+            store.put(key, data)
+
         with cf.ThreadPoolExecutor(4, thread_name_prefix="ckpt-peer-write") as pool:
-            list(pool.map(lambda k: store.put(k, received.view(k)), blobs))
+            list(pool.map(write, blobs))
         store.sync()
         store.create(manifest_key(name), received.get(manifest_key(name)))
 
@@ -253,14 +262,15 @@ class PeerReplicas:
                 for d in digests:
                     plan.append((holder, receiver, d, int(sizes[d])))
         return self._run_plan(plan, lambda s, r, d: self._copies[r].store,
-                              lambda s, r, d: into)
+                              lambda s, r, d: into, verify=False)
 
-    def _run_plan(self, plan: list[tuple[int, int, str, int]], src_of: Any, dst_of: Any
-                  ) -> int:
+    def _run_plan(self, plan: list[tuple[int, int, str, int]], src_of: Any, dst_of: Any,
+                  verify: bool = True) -> int:
         """Run the blob moves of `plan` in rounds of at most ROUND_BYTES (the same rounds on
         every rank: the plan is global), two rounds in flight: round k+1 is read and posted
         before round k is awaited, and round k is verified and written while k+1 travels.
-        Memory: about two rounds. Errors are raised once every posted transfer ended."""
+        Memory: about two rounds. Errors are raised once every posted transfer ended.
+        `verify=False`: the receiver stores without hashing (its caller verifies later)."""
         rounds: list[list[tuple[int, int, str, int]]] = []
         start, total = 0, 0
         for i, move in enumerate(plan):
@@ -278,7 +288,8 @@ class PeerReplicas:
                     previous.wait()
                     try:
                         if error is None:
-                            received += sum(pool.map(self._store_one, previous.inbound))
+                            received += sum(pool.map(lambda item: self._store_one(
+                                item, verify), previous.inbound))
                     except BaseException as exc:  # keep draining: the others are posted
                         error = exc
                 previous = current
@@ -311,10 +322,10 @@ class PeerReplicas:
         works = dist.batch_isend_irecv(ops) if ops else []
         return _Round(works, inbound, outbound)
 
-    def _store_one(self, item: tuple[torch.Tensor, str, Store]) -> int:
+    def _store_one(self, item: tuple[torch.Tensor, str, Store], verify: bool = True) -> int:
         buf, digest, store = item
         data = buf.numpy().data
-        if self.repo.hash.digest(data) != digest:
+        if verify and self.repo.hash.digest(data) != digest:
             raise IntegrityError(f"blob {digest} received from a peer is corrupt; its copy "
                                  "was not committed")
         store.put(blob_key(digest), data)
