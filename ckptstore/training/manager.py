@@ -339,8 +339,9 @@ class CheckpointManager:
         return None
 
     def _restore_with_peers(self, state: Mapping[str, Any], step: int | None) -> int | None:
-        """Peer mode: the newest step every rank can obtain (its tiers or a peer's copy);
-        ranks whose tier 0 lacks it get it from a peer, then every rank loads its own."""
+        """Peer mode: the newest step in commit order every rank can obtain (its tiers or a
+        peer's copy); ranks whose tier 0 lacks it load it from the bytes a peer sent, then
+        write it to their tier 0 in the background; the others load their own."""
         assert self.peers is not None and self.group is not None
         self.repo.wait()
         mine = {"own": _step_times(self.repo.created_times()), "held": {
