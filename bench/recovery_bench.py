@@ -18,8 +18,9 @@ alternating the contestants, ratios from this one run:
 * restore: after a process crash (tier 0 intact), after the loss of the node's tier 0 (from
   the far tier), from S3 only;
 * with `--peers` (2 ranks on gloo, `--gib` each, one folder per rank standing for a node,
-  peer_replicas=1): restore after a crash, after the loss of rank 1's folder (from its peer),
-  and after the loss of every folder (from the throttled far tier); the slowest rank counts;
+  peer_replicas=1): restore after a crash and after the loss of rank 1's folder (from its
+  peer), alternated `--reps` times, then after the loss of every folder (from the throttled
+  far tier); the slowest rank counts;
 * end to end, `examples/train.py` (unless --skip-train): from restart to its first training
   step after a crash, after the loss of its tier-0 folder, and with an S3-only repository.
 
@@ -319,7 +320,7 @@ def _peer_worker(rank: int, world: int, init: str, root: str, far: str, endpoint
     dist.destroy_process_group()
 
 
-def measure_peers(tmp: Path, s3: ThrottledS3, gib: float) -> dict[str, Any]:
+def measure_peers(tmp: Path, s3: ThrottledS3, gib: float, reps: int) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     far = s3.bucket()
@@ -335,12 +336,16 @@ def measure_peers(tmp: Path, s3: ThrottledS3, gib: float) -> dict[str, Any]:
         return max(float((out / f"{name}-{r}").read_text()) for r in range(2))
 
     phase("save")
-    out = {"crash: both folders intact": phase("crash")}
-    shutil.rmtree(nodes / "node1")
-    out["node 1 lost: from its peer"] = phase("peer")
+    runs: dict[str, list[float]] = {"crash: both folders intact": [],
+                                    "node 1 lost: from its peer": []}
+    for rep in range(reps):  # alternated; the peer restore makes node 1's folder whole again
+        runs["crash: both folders intact"].append(phase(f"crash{rep}"))
+        shutil.rmtree(nodes / "node1")
+        runs["node 1 lost: from its peer"].append(phase(f"peer{rep}"))
     shutil.rmtree(nodes)
-    out["every folder lost: from far tier"] = phase("far")
-    return {k: round(v, 3) for k, v in out.items()}
+    runs["every folder lost: from far tier"] = [phase("far")]
+    return {k: {"median": round(statistics.median(v), 3), "runs": [round(x, 3) for x in v]}
+            for k, v in runs.items()}
 
 
 def local_read_rate(state: dict[str, Any], tmp: Path) -> float:
@@ -386,7 +391,8 @@ def main() -> None:
             "far_throttle_bytes_per_s": round(rate), "reps": args.reps}
         if args.peers or args.peers_only:
             del state  # each rank builds its own
-            doc["peer_restores_2_ranks"] = measure_peers(tmp / "peers", s3, args.gib)
+            doc["peer_restores_2_ranks"] = measure_peers(tmp / "peers", s3, args.gib,
+                                                         args.reps)
         if args.peers_only:
             print(json.dumps(doc, indent=2))
             return

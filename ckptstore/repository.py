@@ -61,6 +61,7 @@ from .pipeline.writer import CheckpointWriter, KnownChunks, SaveInfo, SaveOption
 from .stores import Store, open_store
 from .tiers import config as tier_config
 from .tiers import pending
+from .tiers.lazy import LazyTier
 from .tiers.replication import Replicator, RetryPolicy, fetch_verified
 
 REPO_FORMAT = "ckptstore"
@@ -182,6 +183,35 @@ class SaveHandle:
         return f"SaveHandle({self.name!r}, {state})"
 
 
+def _check_marker(store: Store, create: bool, algorithm: HashAlgorithm) -> HashAlgorithm:
+    """Read (or, with `create`, write) the repository marker of `store`; returns its hash
+    algorithm."""
+    try:
+        raw = store.get(MARKER_KEY)
+    except ObjectNotFoundError:
+        if not create:
+            raise RepositoryNotFoundError(
+                f"no ckptstore repository at {store.uri} (missing {MARKER_KEY})") from None
+        try:
+            store.create(MARKER_KEY, canonical_json({**_MARKER, "hash": algorithm.name}))
+            return algorithm
+        except ObjectExistsError:
+            raw = store.get(MARKER_KEY)
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise FormatError(f"{store.uri}/{MARKER_KEY} is not valid JSON") from None
+    if not isinstance(doc, dict) or doc.get("format") != REPO_FORMAT:
+        raise FormatError(f"{store.uri}/{MARKER_KEY} is not a ckptstore marker")
+    if doc.get("version") != REPO_VERSION:
+        raise FormatError(f"repository {store.uri} has format version {doc.get('version')!r};"
+                          f" this ckptstore reads version {REPO_VERSION}")
+    try:
+        return hash_algorithm(doc.get("hash"))
+    except FormatError as exc:
+        raise FormatError(f"repository {store.uri}: {exc}") from None
+
+
 class CheckpointStore:
     """A repository of checkpoints in a local folder, S3 or memory.
 
@@ -234,7 +264,10 @@ class CheckpointStore:
         self.load_options = LoadOptions(
             workers=load_defaults.workers if workers is None else workers,
             max_inflight_bytes=max_inflight_bytes or load_defaults.max_inflight_bytes)
-        algorithm = self._check_marker(create, hash_algorithm(hash or HASH_NAME))
+        if isinstance(self.store, LazyTier) and not self.store.reachable and hash:
+            algorithm = hash_algorithm(hash)  # the marker is checked when it is reached
+        else:
+            algorithm = _check_marker(self.store, create, hash_algorithm(hash or HASH_NAME))
         if hash is not None and hash != algorithm.name:
             raise FormatError(f"repository {self.uri} names chunks with {algorithm.name}, "
                               f"not {hash}; a repository keeps the hash it was created with")
@@ -266,7 +299,8 @@ class CheckpointStore:
                     options: dict[str, Any], replicate: bool,
                     retry: RetryPolicy | None) -> None:
         """Open every tier as an ordinary repository (same hash as tier 0; each takes the
-        options that fit it), then resume the replications a crash left pending."""
+        options that fit it), then resume the replications a crash left pending. A later
+        tier that cannot be reached now (a StoreError) is opened lazily (tiers/lazy.py)."""
         common = dict(chunk_bytes=chunk_bytes, compression=compression, workers=workers,
                       max_inflight_bytes=max_inflight_bytes, hash=self.hash.name)
         opened: builtins.list[CheckpointStore] = []
@@ -277,8 +311,14 @@ class CheckpointStore:
                 if not create and not isinstance(u, Store) and not str(u).startswith(
                         "memory://"):
                     opts.setdefault("create", False)
-                opened.append(CheckpointStore(u, create=create, **common,  # type: ignore[arg-type]
-                                              **opts))
+                try:
+                    opened.append(CheckpointStore(u, create=create, **common,  # type: ignore[arg-type]
+                                                  **opts))
+                except StoreError as exc:
+                    log.warning("tier %s is unreachable (%s); saves and restores go on "
+                                "with the nearer tiers, replication retries it", u, exc)
+                    opened.append(CheckpointStore(
+                        self._lazy_tier(u, opts, create, exc), **common))  # type: ignore[arg-type]
         except BaseException:
             for t in opened[1:]:
                 t.close()
@@ -291,34 +331,24 @@ class CheckpointStore:
                 max_inflight_bytes=self.save_options.max_inflight_bytes)
             self._replicator.resume()
 
-    # ------------------------------------------------------------------ marker
-    def _check_marker(self, create: bool, algorithm: HashAlgorithm) -> HashAlgorithm:
-        """Read (or, with `create`, write) the repository marker; returns its hash algorithm."""
-        try:
-            raw = self.store.get(MARKER_KEY)
-        except ObjectNotFoundError:
-            if not create:
-                raise RepositoryNotFoundError(
-                    f"no ckptstore repository at {self.uri} (missing {MARKER_KEY})") from None
-            try:
-                self.store.create(MARKER_KEY, canonical_json({**_MARKER,
-                                                              "hash": algorithm.name}))
-                return algorithm
-            except ObjectExistsError:
-                raw = self.store.get(MARKER_KEY)
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            raise FormatError(f"{self.uri}/{MARKER_KEY} is not valid JSON") from None
-        if not isinstance(doc, dict) or doc.get("format") != REPO_FORMAT:
-            raise FormatError(f"{self.uri}/{MARKER_KEY} is not a ckptstore marker")
-        if doc.get("version") != REPO_VERSION:
-            raise FormatError(f"repository {self.uri} has format version {doc.get('version')!r};"
-                              f" this ckptstore reads version {REPO_VERSION}")
-        try:
-            return hash_algorithm(doc.get("hash"))
-        except FormatError as exc:
-            raise FormatError(f"repository {self.uri}: {exc}") from None
+    def _lazy_tier(self, uri: tier_config.TierURI, options: dict[str, Any], create: bool,
+                   cause: BaseException) -> LazyTier:
+        def check(store: Store) -> None:
+            found = _check_marker(store, create, self.hash)
+            if found.name != self.hash.name:
+                raise FormatError(f"repository {store.uri} names chunks with {found.name}, "
+                                  f"not {self.hash.name} like tier 0")
+
+        return LazyTier(str(uri), lambda: open_store(uri, **options), check, cause)
+
+    @property
+    def reachable(self) -> bool:
+        """False for a later tier not reached since the store opened (tiers/lazy.py): tiered
+        listings and lookups skip it."""
+        return not isinstance(self.store, LazyTier) or self.store.reachable
+
+    def _reached(self) -> builtins.list[CheckpointStore]:
+        return [t for t in self.tiers if t.reachable]
 
     # ------------------------------------------------------------------ manifests
     def manifest(self, name: str) -> Manifest:
@@ -355,7 +385,7 @@ class CheckpointStore:
         """Tiered: the manifest from the nearest tier with a readable one (an unreadable
         near copy is logged and skipped)."""
         damaged: FormatError | None = None
-        for tier in self.tiers:
+        for tier in self._reached():
             try:
                 return tier.manifest(name)
             except CheckpointNotFoundError:
@@ -372,7 +402,7 @@ class CheckpointStore:
         Objects under checkpoints/ whose names no checkpoint can have are skipped. Tiered:
         the union over every tier."""
         if self._tiered:
-            return list(dict.fromkeys(n for t in self.tiers for n in t.names()))
+            return list(dict.fromkeys(n for t in self._reached() for n in t.names()))
         return list(self._listing())
 
     def _listing(self, problems: list[ManifestProblem] | None = None) -> dict[str, int]:
@@ -403,7 +433,7 @@ class CheckpointStore:
         problems: builtins.list[ManifestProblem] = []
         if self._tiered:
             return [replace(p, reason=f"{t.uri}: {p.reason}")
-                    for t in self.tiers for p in t.problems()]
+                    for t in self._reached() for p in t.problems()]
         names = self._listing(problems)
         with cf.ThreadPoolExecutor(8) as pool:
             for name, error in zip(names, pool.map(self._manifest_error, names)):
@@ -437,13 +467,16 @@ class CheckpointStore:
         by name. Reads only the first bytes of each manifest, where canonical JSON puts
         "created"; may list a manifest whose later bytes are damaged (see `latest`).
         Tiered: the union over every tier, in the same order."""
-        if self._tiered:
-            seen: dict[str, float] = {}
-            for tier in self.tiers:
-                for c, name in tier._created_order():
-                    seen.setdefault(name, c)
-            return [name for c, name in sorted((c, n) for n, c in seen.items())]
-        return [name for _c, name in self._created_order()]
+        return [name for c, name in sorted((c, n) for n, c in self.created_times().items())]
+
+    def created_times(self) -> dict[str, float]:
+        """{name: creation time from its manifest} of the committed checkpoints (tiered: the
+        union, nearest tier's copy first): the key of commit order."""
+        seen: dict[str, float] = {}
+        for tier in self._reached():
+            for c, name in tier._created_order():
+                seen.setdefault(name, c)
+        return seen
 
     def _created_order(self) -> builtins.list[tuple[float, str]]:
         """(created, name) of this tier's checkpoints, in commit order."""
@@ -484,14 +517,14 @@ class CheckpointStore:
     def exists(self, name: str) -> bool:
         """True if a tier (any, for a tiered store) holds the checkpoint's manifest."""
         if self._tiered:
-            return any(t.exists(name) for t in self.tiers)
+            return any(t.exists(name) for t in self._reached())
         return self.store.exists(manifest_key(name))
 
     def where(self, name: str) -> builtins.list[str]:
         """URIs of the tiers holding a committed copy of `name`, nearest first ([] if none)."""
         if name == LATEST:
             name = self.manifest(name).name
-        return [t.uri for t in self.tiers if t.exists(name)]
+        return [t.uri for t in self._reached() if t.exists(name)]
 
     def delete(self, name: str, *, tier: int | None = None) -> None:
         """Remove a checkpoint (its manifest) from every tier, or from tier `tier` only. Its
@@ -819,7 +852,7 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ load
     def load(self, name: str = LATEST, *, into: Any = None, keys: Iterable[str] | None = None,
-             strict: bool = True) -> Any:
+             strict: bool = True, prefer: Store | None = None) -> Any:
         """Restore a checkpoint. Returns a new nested state of the saved types; with `into`,
         tensors at the same dotted keys are filled in place (same objects returned) and
         `strict` requires every tensor of `into` to be in the checkpoint; with `keys`, only
@@ -830,27 +863,49 @@ class CheckpointStore:
         nearest tier holding a good copy; a missing or corrupt chunk on a tier that holds the
         checkpoint is rewritten there from the farther copy (a RuntimeWarning names the blob).
         IntegrityError only when no tier has a good copy. `last_load` tells the bytes each
-        tier served."""
+        tier served.
+
+        `prefer`: a store read before the tiers, manifest and chunks (blobs just received
+        from a peer: training/peers.py); what it lacks comes from the tiers, and nothing is
+        repaired from it (its caller writes it to tier 0)."""
         t0 = time.perf_counter()
         with quiet_collector():
-            manifest = self.manifest(name)
+            manifest = (self._preferred_manifest(name, prefer)
+                        if prefer is not None and name != LATEST else None)
+            manifest = manifest or self.manifest(name)
             repaired: builtins.list[str] = []
-            if self._tiered:
-                holders = [i for i, t in enumerate(self.tiers) if t.exists(manifest.name)]
+            first = [prefer] if prefer is not None else []
+            if self._tiered or first:
+                skip = len(first)  # store indexes of the reader -> tier indexes
+                holders = [i for i, t in enumerate(self.tiers)
+                           if t.reachable and t.exists(manifest.name)]
+                stores = [*first, *(t.store for t in self.tiers)]
                 reader = CheckpointReader(
-                    self.store, self.load_options,
-                    fallbacks=[t.store for t in self.tiers[1:]],
-                    on_fallback=lambda blob, good, failed: self._repair(
-                        blob, good, [i for i in failed if i in holders], repaired))
+                    stores[0], self.load_options, fallbacks=stores[1:],
+                    on_fallback=lambda blob, good, failed: None if good < skip else self._repair(
+                        blob, good - skip, [i - skip for i in failed if i - skip in holders],
+                        repaired))
             else:
                 reader = CheckpointReader(self.store, self.load_options)
             try:
                 return load_state(reader, manifest, into=into, keys=keys, strict=strict)
             finally:
-                self.last_load = LoadInfo(
-                    manifest.name,
-                    {t.uri: n for t, n in zip(self.tiers, reader.bytes_by_source)},
-                    repaired, time.perf_counter() - t0)
+                served = reader.bytes_by_source
+                by_uri = {prefer.uri: served[0]} if prefer is not None else {}
+                by_uri.update((t.uri, n) for t, n in zip(self.tiers, served[len(first):]))
+                self.last_load = LoadInfo(manifest.name, by_uri, repaired,
+                                          time.perf_counter() - t0)
+
+    def _preferred_manifest(self, name: str, store: Store) -> Manifest | None:
+        """The manifest of `name` in `store` (validated), or None if it has none."""
+        try:
+            raw = store.get(manifest_key(name))
+        except ObjectNotFoundError:
+            return None
+        try:
+            return parse_manifest(raw, name, self.hash)
+        except FormatError as exc:
+            raise FormatError(f"checkpoint {name!r} in {store.uri}: {exc}") from None
 
     def _repair(self, blob: str, good: int, bad: builtins.list[int],
                 repaired: builtins.list[str]) -> None:

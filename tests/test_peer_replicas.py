@@ -1,6 +1,7 @@
 """Peer replicas on real gloo process groups (spawned CPU processes, one folder per rank
 standing for one node each) with moto S3 as the far tier: a rank that lost its folder gets
-its checkpoint back from its peer, bit-exact, without reading a blob from the far tier."""
+its checkpoint back from its peer, bit-exact, without reading a blob from the far tier; the
+checkpoint restored is the newest in commit order (not the largest step)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def worker(rank: int, world: int, init: str, root: str, far: str, endpoint: str,
         mgr = ckptstore.CheckpointManager(tiers, peer_replicas=1, keep_last=[2, 5],
                                           every=[1, 2], endpoint_url=endpoint)
         if phase == "save":
-            for step in (1, 2, 3):
+            for step in (1, 5, 3):  # 3 after 5 (a rollback): the latest in commit order
                 mgr.save(step, {"model": truth(rank, step)})
         else:
             dest = {"model": {k: torch.zeros_like(v) for k, v in truth(rank, 0).items()}}
@@ -44,6 +45,11 @@ def worker(rank: int, world: int, init: str, root: str, far: str, endpoint: str,
             assert mgr.repo.last_load is not None
             served = mgr.repo.last_load.bytes_by_tier
             assert served[mgr.repo.tiers[1].uri] == 0, served  # nothing read from S3
+            from_peer = sum(n for uri, n in served.items() if uri.startswith("peer://"))
+            if rank == world - 1:  # the lost rank loaded straight from the received bytes
+                assert from_peer > 0 and served[mgr.repo.tiers[0].uri] == 0, served
+            else:
+                assert from_peer == 0, served
         mgr.close()
         Path(out, f"{phase}-{rank}").write_text("ok")
     except BaseException:
@@ -72,6 +78,8 @@ def run(world: int, tmp: Path, far: str, endpoint: str, phase: str) -> None:
 def test_lost_rank_folder_restores_from_peer_not_far(tmp_path: Path, s3_uri: str,
                                                      world: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptstore
+
     server = ChaosServer(moto_app())
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one folder per rank stands for a node
     try:
@@ -79,14 +87,16 @@ def test_lost_rank_folder_restores_from_peer_not_far(tmp_path: Path, s3_uri: str
         lost = world - 1
         peer_copy = tmp_path / "nodes" / "node0" / "peers" / f"rank-{lost}"
         assert sorted(p.name for p in (peer_copy / "checkpoints").iterdir()) == [
-            "step-2.json", "step-3.json"]  # the peer keeps what tier 0's keep_last keeps
+            "step-3.json", "step-5.json"]  # the peer keeps what tier 0's keep_last keeps
         shutil.rmtree(tmp_path / "nodes" / f"node{lost}")  # the node is gone
         server.plan.reset()
         run(world, tmp_path, s3_uri, server.endpoint, "restore")
         blob_gets = [r for r in server.plan.requests("GET") if "/blobs/" in r["path"]]
         assert blob_gets == []  # the far tier served no chunk: the peer did
         restored = tmp_path / "nodes" / f"node{lost}" / "checkpoints" / "step-3.json"
-        assert restored.exists()  # tier 0 of the lost rank is whole again
+        assert restored.exists()  # tier 0 of the lost rank is whole again: written after
+        with ckptstore.CheckpointStore(str(tmp_path / "nodes" / f"node{lost}")) as near:
+            assert near.verify("step-3").ok  # the load, in the background, before close
     finally:
         server.close()
 

@@ -53,6 +53,7 @@ from ..pipeline.commit import Committer, LocalCommitter
 from ..pipeline.overlap import check_staging
 from ..pipeline.writer import SaveInfo
 from ..repository import CheckpointStore, SaveHandle
+from ..stores.base import Store
 from ..tiers import config as tier_config
 from ..tiers import pending
 from . import distributed as cdist
@@ -63,6 +64,11 @@ from .rng import RNGState
 STEP_NAME = re.compile(r"step-(\d+)")
 #: overlapped saves: tensors smaller than this are copied at call time (cheaper than tracking)
 COPY_AT_CALL_BYTES = 1 << 20
+
+
+def _step_times(created: Mapping[str, float]) -> list[tuple[int, float]]:
+    """[(step, commit time)] of the checkpoints named like steps."""
+    return [(int(m.group(1)), c) for n, c in created.items() if (m := STEP_NAME.fullmatch(n))]
 
 
 def _is_stateful(value: Any) -> bool:
@@ -209,7 +215,10 @@ class CheckpointManager:
         """Peer mode: send the last saved checkpoint to the peers (collective; every rank
         calls it at the same point), then drop the copies the tier-0 policy no longer keeps.
         An async save's error is raised after the exchange (the others must not wait)."""
-        if self.peers is None or self._peer_pending is None:
+        if self.peers is None:
+            return
+        self.peers.settle()  # a restore's write of peer data to tier 0 comes first
+        if self._peer_pending is None:
             return
         name, handle = self._peer_pending
         self._peer_pending = None
@@ -239,7 +248,7 @@ class CheckpointManager:
             history = self.repo.history()
             self._since = [0]
             for tier in self.repo.tiers[1:]:
-                held = set(tier.names())
+                held = set(tier.names()) if tier.reachable else set()  # unknown: due now
                 last = max((i for i, name in enumerate(history) if name in held), default=-1)
                 self._since.append(len(history) - 1 - last if last >= 0 else 1 << 30)
         due = self.tier_policy.due(self._since)
@@ -256,11 +265,16 @@ class CheckpointManager:
             holdings = [set(history)]
             waiting: set[int] = set()
         else:
+            # a far tier not reached yet (down at open) counts as holding nothing, so the
+            # nearer tiers keep more, and its own retention waits until it is reached
             holdings = [{int(m.group(1)) for name in t.names()
-                         if (m := STEP_NAME.fullmatch(name))} for t in tiers]
+                         if (m := STEP_NAME.fullmatch(name))} if t.reachable else set()
+                        for t in tiers]
             waiting = {int(m.group(1)) for r in pending.read_records(tiers[0].store)
                        if (m := STEP_NAME.fullmatch(r.name))}
         for i, tier in enumerate(tiers):
+            if not tier.reachable:
+                continue
             for step in self.tier_policy.to_delete(i, holdings, history, saved, waiting):
                 name = self.name_of(step)
                 try:
@@ -330,31 +344,37 @@ class CheckpointManager:
         return None
 
     def _restore_with_peers(self, state: Mapping[str, Any], step: int | None) -> int | None:
-        """Peer mode: the newest step every rank can obtain (its tiers or a peer's copy);
-        ranks whose tier 0 lacks it get it from a peer, then every rank loads its own."""
+        """Peer mode: the newest step in commit order every rank can obtain (its tiers or a
+        peer's copy); ranks whose tier 0 lacks it load it from the bytes a peer sent, then
+        write it to their tier 0 in the background; the others load their own."""
         assert self.peers is not None and self.group is not None
         self.repo.wait()
-        mine = {"own": self.steps(), "held": {
-            s: [int(m.group(1)) for n in names if (m := STEP_NAME.fullmatch(n))]
-            for s, names in self.peers.held_steps().items()}}
+        mine = {"own": _step_times(self.repo.created_times()), "held": {
+            str(s): _step_times(times) for s, times in self.peers.held_times().items()}}
         views = cdist.all_gather_json(mine, self.group)
         world = len(views)
-        available = [set(v["own"]) for v in views]
-        for v in views:
-            for sender, steps in v["held"].items():
-                available[int(sender)] |= set(steps)
+        available: list[set[int]] = [set() for _ in views]
+        when: dict[int, float] = {}  # step -> its newest commit time on any rank
+        for r, v in enumerate(views):
+            for owner, pairs in [(r, v["own"]), *((int(s), p) for s, p in v["held"].items())]:
+                for s, created in pairs:
+                    available[owner].add(s)
+                    when[s] = max(when.get(s, created), created)
         common = set.intersection(*available) if world else set()
-        if step is None:
-            step = max(common) if common else None
+        if step is None:  # the newest in commit order, as on one process (`latest_step`)
+            step = max(common, key=lambda s: (when[s], s)) if common else None
         elif step not in common:
             raise KeyMismatchError(f"step {step} cannot be restored on every rank")
         if step is None:
             return None
-        self.peers.fetch(self.name_of(step))
-        self._load_into(state, step)
+        received = self.peers.fetch(self.name_of(step))
+        self._load_into(state, step, prefer=received)
+        if received is not None:  # tier 0 whole again, after the load (training/peers.py)
+            self.peers.persist(self.name_of(step), received)
         return step
 
-    def _load_into(self, state: Mapping[str, Any], step: int) -> None:
+    def _load_into(self, state: Mapping[str, Any], step: int,
+                   prefer: Store | None = None) -> None:
         into: dict[str, Any] = {}
         for k, v in state.items():
             if isinstance(v, torch.nn.Module) or not _is_stateful(v):
@@ -362,7 +382,8 @@ class CheckpointManager:
             elif not isinstance(v, RNGState) and _holds_shards(sd := v.state_dict()):
                 into[k] = sd  # sharded state (e.g. a sharded optimizer): read only our rows
             # other Stateful objects get fresh tensors, adopted by their load_state_dict
-        loaded = self.repo.load(self.name_of(step), into=into, keys=list(state), strict=False)
+        loaded = self.repo.load(self.name_of(step), into=into, keys=list(state), strict=False,
+                                prefer=prefer)
         missing = [k for k in state if k not in loaded]
         if missing:
             raise KeyMismatchError(f"checkpoint step {step} has no entries {missing}")

@@ -17,26 +17,34 @@ Exchange (`replicate`) of checkpoint `name`:
      committed), writes it, syncs, then creates the sender's manifest create-only.
 
 Restore (`fetch`): a rank whose tier 0 lacks the chosen checkpoint gets manifest and the blobs
-its tier 0 lacks from the first live holder of its copy, verifies them, writes them to its tier
-0 (which makes the checkpoint whole there again), and then loads locally; the far tier is read
-only for chunks no peer provided (the nearest-copy reader's fallback).
+its tier 0 lacks from the first live holder of its copy. They stay in memory
+(`ReceivedBlobs`): the state is loaded straight from them (the load verifies every chunk it
+reads; a bad or missing one comes from tier 0, then the far tier), and only then `persist`
+re-hashes each blob against its name and writes it to tier 0 in the background (blobs, sync,
+manifest last), which makes the checkpoint whole there again; `settle` waits for that write
+(the manager calls it before its next save, restore or wait). A failed write (or a corrupt
+blob) is a warning and commits no manifest: the copy on the peer and the far tier are
+untouched.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CkptStoreError, IntegrityError
+from ..errors import CkptStoreError, IntegrityError, ObjectNotFoundError, StoreError
 from ..format.manifest_parse import parse_manifest
 from ..layout import blob_key, manifest_key
 from ..repository import CheckpointStore
-from ..stores.base import Store
+from ..stores.base import Buffer, ObjectInfo, Store, check_range, short_read
 from .distributed import all_gather_json
 
 #: blob bytes moved per round of point-to-point transfers (memory bound of an exchange)
@@ -86,6 +94,8 @@ class PeerReplicas:
         self.rank = dist.get_rank()
         root = repo.tiers[0].store
         self._copies: dict[int, CheckpointStore] = {}
+        self._persisting: cf.Future[None] | None = None
+        self._writer = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-peer-persist")
         for sender in peers.held_by(self.rank):
             self._copies[sender] = CheckpointStore(_nested(root, f"peers/rank-{sender}"),
                                                    hash=repo.hash.name)
@@ -94,8 +104,12 @@ class PeerReplicas:
         return self._copies[sender]
 
     def close(self) -> None:
-        for copy in self._copies.values():
-            copy.close()
+        try:
+            self.settle()
+        finally:
+            self._writer.shutdown(wait=True)
+            for copy in self._copies.values():
+                copy.close()
 
     # ------------------------------------------------------------------ save side
     def replicate(self, name: str, ok: bool) -> int:
@@ -142,13 +156,15 @@ class PeerReplicas:
             copy.store.sync()
 
     # ------------------------------------------------------------------ restore side
-    def held_steps(self) -> dict[str, list[str]]:
-        """{sender rank: names of the copies this rank holds for it}."""
-        return {str(s): sorted(c.names()) for s, c in self._copies.items()}
+    def held_times(self) -> dict[int, dict[str, float]]:
+        """{sender rank: {name: creation time} of the copies this rank holds for it}."""
+        return {s: c.created_times() for s, c in self._copies.items()}
 
-    def fetch(self, name: str) -> int:
+    def fetch(self, name: str) -> ReceivedBlobs | None:
         """Collective: every rank whose tier 0 lacks `name` gets it from the first holder of
-        its copy that has it (verified, written to its tier 0). Returns bytes received."""
+        its copy that has it: manifest and verified blobs, in memory (load from them, then
+        `persist`). None on a rank that needed nothing or that no peer could serve."""
+        self.settle()
         near = self.repo.tiers[0]
         need = not near.exists(name)
         held = {s: c.exists(name) for s, c in self._copies.items()}
@@ -179,13 +195,49 @@ class PeerReplicas:
             except CkptStoreError as exc:  # raised after the collectives: nobody waits
                 bad, mine = exc, None
         all_wants = all_gather_json(wants, self.group)
-        received = self._transfer_fetch(offers, all_wants)
+        received = ReceivedBlobs(f"peer://rank-{source.get(self.rank, -1)}/for-{self.rank}")
+        self._transfer_fetch(offers, all_wants, received)
         if bad is not None:
             raise bad
-        if mine is not None:
-            near.store.sync()
-            near.store.create(manifest_key(name), mine["manifest"].encode())
+        if mine is None:
+            return None
+        received.create(manifest_key(name), mine["manifest"].encode())
         return received
+
+    def persist(self, name: str, received: ReceivedBlobs) -> None:
+        """Write what `fetch` received to tier 0 in the background: blobs, sync, then the
+        manifest create-only (a crash in between leaves only unreferenced blobs)."""
+        self.settle()
+        self._persisting = self._writer.submit(self._persist, name, received)
+
+    def settle(self) -> None:
+        """Wait for the background write of `persist`; its failure is a warning (the
+        checkpoint still lives on the peer and, once replicated, on the far tier)."""
+        job, self._persisting = self._persisting, None
+        if job is None:
+            return
+        try:
+            job.result()
+        except CkptStoreError as exc:
+            warnings.warn(f"writing the checkpoint received from a peer to "
+                          f"{self.repo.tiers[0].uri} failed: {exc}", RuntimeWarning,
+                          stacklevel=2)
+
+    def _persist(self, name: str, received: ReceivedBlobs) -> None:
+        store = self.repo.tiers[0].store
+        blobs = [k for k in received.keys() if k != manifest_key(name)]
+
+        def write(key: str) -> None:
+            data = received.view(key)
+            if blob_key(self.repo.hash.digest(data)) != key:
+                raise IntegrityError(f"{key} received from a peer is corrupt; checkpoint "
+                                     f"{name!r} was not written to tier 0")
+            store.put(key, data)
+
+        with cf.ThreadPoolExecutor(4, thread_name_prefix="ckpt-peer-write") as pool:
+            list(pool.map(write, blobs))
+        store.sync()
+        store.create(manifest_key(name), received.get(manifest_key(name)))
 
     # ------------------------------------------------------------------ transfers
     def _transfer(self, headers: list[dict[str, Any]], all_wants: list[dict[str, list[str]]],
@@ -201,7 +253,7 @@ class PeerReplicas:
                               lambda s, r, d: dest_of(s))
 
     def _transfer_fetch(self, offers: list[dict[str, Any]],
-                        all_wants: list[dict[str, list[str]]]) -> int:
+                        all_wants: list[dict[str, list[str]]], into: ReceivedBlobs) -> int:
         plan = []
         for receiver, wants in enumerate(all_wants):
             for holder_s, digests in wants.items():
@@ -210,14 +262,15 @@ class PeerReplicas:
                 for d in digests:
                     plan.append((holder, receiver, d, int(sizes[d])))
         return self._run_plan(plan, lambda s, r, d: self._copies[r].store,
-                              lambda s, r, d: self.repo.tiers[0].store)
+                              lambda s, r, d: into, verify=False)
 
-    def _run_plan(self, plan: list[tuple[int, int, str, int]], src_of: Any, dst_of: Any
-                  ) -> int:
+    def _run_plan(self, plan: list[tuple[int, int, str, int]], src_of: Any, dst_of: Any,
+                  verify: bool = True) -> int:
         """Run the blob moves of `plan` in rounds of at most ROUND_BYTES (the same rounds on
         every rank: the plan is global), two rounds in flight: round k+1 is read and posted
         before round k is awaited, and round k is verified and written while k+1 travels.
-        Memory: about two rounds. Errors are raised once every posted transfer ended."""
+        Memory: about two rounds. Errors are raised once every posted transfer ended.
+        `verify=False`: the receiver stores without hashing (its caller verifies later)."""
         rounds: list[list[tuple[int, int, str, int]]] = []
         start, total = 0, 0
         for i, move in enumerate(plan):
@@ -235,7 +288,8 @@ class PeerReplicas:
                     previous.wait()
                     try:
                         if error is None:
-                            received += sum(pool.map(self._store_one, previous.inbound))
+                            received += sum(pool.map(lambda item: self._store_one(
+                                item, verify), previous.inbound))
                     except BaseException as exc:  # keep draining: the others are posted
                         error = exc
                 previous = current
@@ -268,10 +322,10 @@ class PeerReplicas:
         works = dist.batch_isend_irecv(ops) if ops else []
         return _Round(works, inbound, outbound)
 
-    def _store_one(self, item: tuple[torch.Tensor, str, Store]) -> int:
+    def _store_one(self, item: tuple[torch.Tensor, str, Store], verify: bool = True) -> int:
         buf, digest, store = item
         data = buf.numpy().data
-        if self.repo.hash.digest(data) != digest:
+        if verify and self.repo.hash.digest(data) != digest:
             raise IntegrityError(f"blob {digest} received from a peer is corrupt; its copy "
                                  "was not committed")
         store.put(blob_key(digest), data)
@@ -289,6 +343,61 @@ class _Round:
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+
+
+class ReceivedBlobs(Store):
+    """Objects received from a peer, held in memory without a copy (a `put` keeps the
+    caller's buffer): the `prefer` store of a restore. Written once by `fetch`, then
+    read-only."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self._objects: dict[str, memoryview] = {}
+        self._mtime = time.time()
+
+    def keys(self) -> list[str]:
+        return list(self._objects)
+
+    def view(self, key: str) -> memoryview:
+        try:
+            return self._objects[key]
+        except KeyError:
+            raise ObjectNotFoundError(f"{self.uri}: no object {key!r}") from None
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.view(key))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.read_into(key, start, memoryview(out))
+        return bytes(out)
+
+    def read_into(self, key: str, start: int, out: memoryview) -> None:
+        check_range(key, start, len(out))
+        data = self.view(key)
+        if start + len(out) > len(data):
+            raise short_read(key, start, len(out), max(0, len(data) - start))
+        out[:] = data[start : start + len(out)]
+
+    def put(self, key: str, data: Buffer) -> None:
+        self._objects[key] = memoryview(data).cast("B")
+
+    def create(self, key: str, data: Buffer) -> None:
+        self.put(key, data)
+
+    def exists(self, key: str) -> bool:
+        return key in self._objects
+
+    def stat(self, key: str) -> ObjectInfo:
+        return ObjectInfo(key, len(self.view(key)), self._mtime)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for key in list(self._objects):
+            if key.startswith(prefix):
+                yield self.stat(key)
+
+    def delete(self, key: str) -> None:
+        raise StoreError(f"{self.uri} is read-only")
 
 
 def _sizes(store: Store, manifest: Any) -> dict[str, int]:
