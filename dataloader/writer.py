@@ -324,7 +324,8 @@ class DatasetWriter:
         self._lock = threading.Lock()
         self._arrays: dict[str, _ArrayWriter] = {}
         adapter = _KeepingAdapter if self._prefix else ZarrStoreAdapter
-        self._adapter = adapter(self.store, self._prefix, on_set=self._on_set)
+        # zarr.json objects are written once, in their final form, by finish_arrays
+        self._adapter = adapter.holding_metadata(self.store, self._prefix, on_set=self._on_set)
         self._group: zarr.Group | None = None
         self._specs: dict[str, _Spec] | None = None
         self._probe_specs: dict[str, _Spec] | None = None
@@ -540,6 +541,7 @@ class DatasetWriter:
             if spec.kind in ("ragged", "bytes", "str"):  # final offset: N+1 rows
                 self._arrays[f"{name}/offsets"].append(np.asarray([self._data_len[name]], np.int64))
         arrays = {path: w.finish() for path, w in self._arrays.items()}
+        self._adapter.flush_metadata()  # before any sync: the caller makes it all durable
         fields = []
         for name, spec in self._specs.items():
             if spec.kind in ("scalar", "fixed"):
@@ -627,7 +629,7 @@ class _KeepingAdapter(ZarrStoreAdapter):
         return None
 
     def with_read_only(self, read_only: bool = False) -> ZarrStoreAdapter:
-        return _KeepingAdapter(self.store, self.prefix, read_only, self.on_set)
+        return _KeepingAdapter(self.store, self.prefix, read_only, self.on_set, self.held)
 
 
 def choose_rows_per_chunk(

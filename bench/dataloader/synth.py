@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -73,3 +74,33 @@ def order_samples(n: int = 8192, size: int = 1024) -> Iterator[tuple[int, bytes]
     rng = np.random.default_rng(3)
     for i in range(n):
         yield i, rng.bytes(size)
+
+
+class LazySamples(Sequence[dict[str, np.ndarray | bytes]]):
+    """The samples as a read-only sequence of ``{field: value}`` dicts that makes each slice on
+    demand (the same values as `samples`): forked writer processes slice it, so every process
+    generates its own partitions' samples and nothing is copied between processes."""
+
+    def __init__(self, kind: str, scale: float, field: str) -> None:
+        self.kind, self.scale, self.field = kind, scale, field
+        self.n = count(kind, scale)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray | bytes]]:
+        return ({self.field: x} for x in samples(self.kind, self.scale))
+
+    def __getitem__(self, key: int | slice) -> Any:  # type: ignore[override]
+        if isinstance(key, int):
+            got = self[key : key + 1] if key >= 0 else self[self.n + key : self.n + key + 1]
+            assert isinstance(got, list) and got, key
+            return got[0]
+        start, stop, step = key.indices(self.n)
+        assert step == 1, "only contiguous slices"
+        if self.kind == "tokens":  # generate the 4,096-sample blocks covering [start, stop)
+            b0 = start - start % 4096
+            out = list(sample_range(self.kind, self.scale, b0, stop))[start - b0 :]
+        else:
+            out = list(sample_range(self.kind, self.scale, start, stop))
+        return [{self.field: x} for x in out]
