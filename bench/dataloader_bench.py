@@ -109,9 +109,9 @@ class TreeMemory:
 
 def run_runner(
     python: str, name: str, phase: str, cfg: dict[str, Any], timeout: float,
-    env_extra: dict[str, str] | None = None,
+    env_extra: dict[str, str] | None = None, runners: Path | None = None,
 ) -> dict[str, Any]:
-    cmd = [python, str(RUNNERS / f"run_{name}.py"), phase, json.dumps(cfg)]
+    cmd = [python, str((runners or RUNNERS) / f"run_{name}.py"), phase, json.dumps(cfg)]
     env = dict(os.environ, PYTHONWARNINGS="ignore", **(env_extra or {}))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
