@@ -103,6 +103,13 @@ class BlockReader:
             return hit
         a = self.index.arrays[path]
         info = a.shards[shard]
+        if info.table is not None:  # recorded in the index: no request
+            table = np.asarray(
+                [(EMPTY, EMPTY) if t is None else t for t in info.table], dtype="<u8"
+            ).reshape(-1, 2)
+            with self._lock:
+                self._indexes[(path, shard)] = table
+            return table
         key = self.prefix + a.shard_key(shard)
         raw = self.cache.get(info.index_digest) if self.cache else None
         if raw is None:

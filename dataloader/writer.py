@@ -28,7 +28,6 @@ from ckptstore.format.hashing import digest
 from ckptstore.stores import Store, open_store
 
 from .format import (
-    EMPTY,
     INDEX_KEY,
     KINDS,
     MAX_CHUNK_NBYTES,
@@ -266,14 +265,10 @@ class _ArrayWriter:
 
     def record_shard(self, shard: int, data: memoryview) -> None:
         """Digest every chunk of a shard object zarr is about to store."""
-        p = self.chunks_per_shard
-        tail = data[len(data) - (16 * p + 4) :]
-        index = np.frombuffer(tail[: 16 * p], dtype="<u8").reshape(p, 2)
-        chunks = tuple(
-            None if int(off) == EMPTY else digest(data[int(off) : int(off) + int(n)])
-            for off, n in index
-        )
-        self.shards[shard] = ShardInfo(len(data), digest(tail), chunks)
+        tail = data[len(data) - (16 * self.chunks_per_shard + 4) :]
+        table = ShardInfo.table_of(tail, self.chunks_per_shard)
+        chunks = tuple(None if t is None else digest(data[t[0] : t[0] + t[1]]) for t in table)
+        self.shards[shard] = ShardInfo(len(data), digest(tail), chunks, table)
 
 
 class DatasetWriter:

@@ -4,6 +4,7 @@ zarr itself reads back."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import zarr
 
 import dataloader
 from ckptstore.stores.local import LocalStore
+from dataloader.format import INDEX_KEY, DatasetIndex, canonical_json
 
 
 class CountingStore(LocalStore):
@@ -55,3 +57,55 @@ def test_every_object_is_put_once(tmp_path: Path, workers: int | None) -> None:
     x = zarr.open_array(str(tmp_path / "ds" / root / "x"), mode="r")
     assert x.shape == (1500 if workers else 3000, 3)
     assert int(x[-1, 0]) == (1499 if workers else 2999)
+
+
+class RangeCountingStore(LocalStore):
+    """A real local store that records its range reads."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, create=False)
+        self.ranges: list[tuple[str, int, int]] = []
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        self.ranges.append((key, start, length))
+        return super().get_range(key, start, length)
+
+
+def _strip_tables(root: Path) -> None:
+    """Rewrite dataset.json as a writer without recorded shard tables made it (same arrays,
+    the fingerprint over the body without them)."""
+    doc = json.loads((root / INDEX_KEY).read_bytes())
+    for arrays in [doc.get("arrays", {})] + [p["arrays"] for p in doc.get("partitions", [])]:
+        for a in arrays.values():
+            for shard in a["shards"]:
+                del shard["table"]
+    body = {k: v for k, v in doc.items() if k != "fingerprint"}
+    (root / INDEX_KEY).write_bytes(
+        canonical_json({**body, "fingerprint": DatasetIndex.compute_fingerprint(body)})
+    )
+
+
+@pytest.mark.parametrize("workers", [None, 2])
+def test_first_window_needs_no_shard_index_requests(tmp_path: Path, workers: int | None) -> None:
+    samples = _samples(700)
+    root = tmp_path / "ds"
+    dataloader.write_dataset(
+        str(root), samples, rows_per_chunk=64, shard_bytes=4096, workers=workers,
+        partition_rows=300 if workers else None,
+    )
+
+    def read_all() -> tuple[list[bytes], list[tuple[str, int, int]]]:
+        store = RangeCountingStore(root)
+        ds = dataloader.StreamingDataset(store, shuffle=True, seed=3)
+        got = [b for batch in dataloader.StreamingLoader(ds, batch_size=50, num_workers=2)
+               for b in batch["blob"]]
+        tails = [(k, s, n) for k, s, n in store.ranges
+                 if s + n == store.stat(k).size and "/c/" in k]
+        return got, tails
+
+    new, tails = read_all()
+    assert not tails  # every shard index came from dataset.json
+    _strip_tables(root)  # a dataset written before the tables: still read, the same samples
+    old, tails = read_all()
+    assert tails and sorted(old) == sorted(new) == sorted(s["blob"] for s in samples)
+    assert old == new
