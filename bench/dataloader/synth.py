@@ -98,9 +98,29 @@ class LazySamples(Sequence[dict[str, np.ndarray | bytes]]):
             return got[0]
         start, stop, step = key.indices(self.n)
         assert step == 1, "only contiguous slices"
-        if self.kind == "tokens":  # generate the 4,096-sample blocks covering [start, stop)
-            b0 = start - start % 4096
-            out = list(sample_range(self.kind, self.scale, b0, stop))[start - b0 :]
-        else:
-            out = list(sample_range(self.kind, self.scale, start, stop))
+        out: list[np.ndarray | bytes] = []
+        if self.kind == "tokens":  # from the 4,096-sample blocks covering [start, stop)
+            for b0 in range(start - start % 4096, stop, 4096):
+                block = self._token_block(b0)
+                out.extend(block[max(0, start - b0) : max(0, min(len(block), stop - b0))])
+        else:  # slices of the random pool, made once per process (as `samples` makes it once)
+            if self._sizes is None:
+                self._sizes = byte_sizes(self.scale)
+                self._pool = np.random.default_rng(9).bytes(POOL)
+            for i in range(start, stop):
+                s = int(self._sizes[i])
+                off = (i * 7919 * 4099) % (POOL - s)
+                out.append(self._pool[off : off + s])
         return [{self.field: x} for x in out]
+
+    _sizes: np.ndarray | None = None
+    _pool: bytes = b""
+    _block: tuple[int, np.ndarray] | None = None
+
+    def _token_block(self, b0: int) -> np.ndarray:
+        """Samples [b0, b0 + 4096) as `samples` makes them (the last block is kept)."""
+        if self._block is None or self._block[0] != b0:
+            m = min(4096, self.n - b0)
+            arr = np.random.default_rng([7, b0]).integers(0, VOCAB, size=(m, SEQ), dtype=np.int32)
+            self._block = (b0, arr)
+        return self._block[1]
