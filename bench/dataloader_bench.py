@@ -109,9 +109,9 @@ class TreeMemory:
 
 def run_runner(
     python: str, name: str, phase: str, cfg: dict[str, Any], timeout: float,
-    env_extra: dict[str, str] | None = None,
+    env_extra: dict[str, str] | None = None, runners: Path | None = None,
 ) -> dict[str, Any]:
-    cmd = [python, str(RUNNERS / f"run_{name}.py"), phase, json.dumps(cfg)]
+    cmd = [python, str((runners or RUNNERS) / f"run_{name}.py"), phase, json.dumps(cfg)]
     env = dict(os.environ, PYTHONWARNINGS="ignore", **(env_extra or {}))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -188,8 +188,9 @@ def main() -> int:
     )
     ap.add_argument("--peer-python", default=sys.executable,
                     help="the Python that runs litdata and mosaic (another venv, say)")
-    ap.add_argument("--write-workers", default="1,2",
-                    help="ours: write_dataset(workers=N) for each N (the last one is read)")
+    ap.add_argument("--write-workers", default="1,2,p2",
+                    help="ours: write_dataset(workers=N) for each N, threads; pN: N forked "
+                    "processes that generate their own partitions (the last one is read)")
     ap.add_argument("--peer-write-workers", type=int, default=2,
                     help="litdata optimize(num_workers=N)")
     ap.add_argument("--seaweed", action="store_true",
@@ -200,7 +201,9 @@ def main() -> int:
     args = ap.parse_args()
 
     pythons = {"ours": sys.executable, "litdata": args.peer_python, "mosaic": args.peer_python}
-    write_workers = [int(w) for w in args.write_workers.split(",") if w]
+    write_workers: list[int | str] = [
+        w if w.startswith("p") else int(w) for w in args.write_workers.split(",") if w
+    ]
     conv: list[dict[str, Any]] = []
     limit_rows: list[dict[str, Any]] = []
     ttfb_rows: list[dict[str, Any]] = []
@@ -280,7 +283,7 @@ def main() -> int:
                         print("   ", rows[-1]["error"], flush=True)
                         continue
                     writers = (
-                        {f"ours, workers={k}": w[f"write_s_w{k}"] for k in write_workers}
+                        {_ours_writer(k): w[f"write_s_w{k}"] for k in write_workers}
                         if c == "ours"
                         else {"litdata optimize, num_workers="
                               f"{args.peer_write_workers}" if c == "litdata"
@@ -378,7 +381,8 @@ def seaweed_ttfb(kinds: list[str], args: argparse.Namespace, work: Path) -> list
         for kind in kinds:
             cfg = {"kind": kind, "scale": args.scale, "uri": f"s3://bench-ttfb/{kind}",
                    "work": str(work), "endpoint": endpoint, "batch_size": args.batch_size,
-                   "write_workers": [int(w) for w in args.write_workers.split(",")][-1:]}
+                   "write_workers": [w if w.startswith("p") else int(w)
+                                     for w in args.write_workers.split(",")][-1:]}
             w = run_runner(sys.executable, "ours", "write", cfg, args.timeout, keys)
             if "error" in w:
                 out.append({"kind": kind, "server": "seaweedfs", "error": w["error"]})
@@ -389,6 +393,12 @@ def seaweed_ttfb(kinds: list[str], args: argparse.Namespace, work: Path) -> list
     finally:
         servers.stop_seaweed(proc, root)
     return out
+
+
+def _ours_writer(w: int | str) -> str:
+    if isinstance(w, str):
+        return f"ours, workers={w[1:]} processes"
+    return f"ours, workers={w}"
 
 
 def fmt_conv(conv: list[dict[str, Any]], lims: list[dict[str, Any]]) -> str:

@@ -236,23 +236,55 @@ def check_zarr_metadata(
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One shard object: total size, digest of its index tail, digest per chunk (None = absent)."""
+    """One shard object: total size, digest of its index tail, digest per chunk (None = absent),
+    and optionally its shard index itself (`table`: (offset, nbytes) per chunk, None = absent),
+    which spares readers a request per shard (format.md section 7.1)."""
 
     nbytes: int
     index_digest: str
     chunks: tuple[str | None, ...]
+    table: tuple[tuple[int, int] | None, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"nbytes": self.nbytes, "index": self.index_digest, "chunks": list(self.chunks)}
+        out: dict[str, Any] = {
+            "nbytes": self.nbytes, "index": self.index_digest, "chunks": list(self.chunks)
+        }
+        if self.table is not None:
+            out["table"] = [None if t is None else list(t) for t in self.table]
+        return out
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> ShardInfo:
-        _keys(d, where, ("nbytes", "index", "chunks"))
+        _keys(d, where, ("nbytes", "index", "chunks"), ("table",))
         chunks = tuple(
             None if c is None else _digest(c, f"{where}.chunks[{i}]")
             for i, c in enumerate(_get(d, "chunks", list, where))
         )
-        return cls(_int(d, "nbytes", where), _digest(d["index"], f"{where}.index"), chunks)
+        table = None
+        if "table" in d:
+            table = tuple(
+                _table_entry(t, f"{where}.table[{i}]")
+                for i, t in enumerate(_get(d, "table", list, where))
+            )
+        return cls(_int(d, "nbytes", where), _digest(d["index"], f"{where}.index"), chunks, table)
+
+    @staticmethod
+    def table_of(
+        raw: bytes | memoryview, chunks_per_shard: int
+    ) -> tuple[tuple[int, int] | None, ...]:
+        """The (offset, nbytes) entries of a shard-index tail (None for an absent chunk)."""
+        index = np.frombuffer(raw[: 16 * chunks_per_shard], dtype="<u8").reshape(-1, 2)
+        return tuple(
+            None if int(off) == EMPTY else (int(off), int(n)) for off, n in index.tolist()
+        )
+
+
+def _table_entry(t: Any, where: str) -> tuple[int, int] | None:
+    if t is None:
+        return None
+    if not isinstance(t, list) or len(t) != 2:
+        raise FormatError(f"{where}: expected null or [offset, nbytes]")
+    return check_int(t[0], f"{where}[0]"), check_int(t[1], f"{where}[1]")
 
 
 @dataclass(frozen=True)
@@ -369,6 +401,21 @@ class ArrayInfo:
                     f"{at}.nbytes: {shard.nbytes:,} bytes cannot hold {per} chunks of at most "
                     f"{self.max_stored_nbytes:,} bytes and a {low}-byte index"
                 )
+            if shard.table is not None:
+                self._check_table(shard, at)
+
+    def _check_table(self, shard: ShardInfo, at: str) -> None:
+        """A recorded shard index: one entry per chunk, absent exactly where the chunk is,
+        each inside the shard's data (before its index tail) and at most a stored chunk."""
+        assert shard.table is not None
+        if len(shard.table) != len(shard.chunks):
+            raise FormatError(f"{at}.table: expected {len(shard.chunks)} entries")
+        end = shard.nbytes - self.index_nbytes
+        for i, (t, c) in enumerate(zip(shard.table, shard.chunks, strict=True)):
+            if (t is None) != (c is None):
+                raise FormatError(f"{at}.table[{i}]: present/absent unlike chunks[{i}]")
+            if t is not None and (t[0] + t[1] > end or t[1] > self.max_stored_nbytes):
+                raise FormatError(f"{at}.table[{i}]: {t} is outside the shard's chunk data")
 
     def check_zarr(self, z: Any, where: str) -> None:
         """Compare this array with its parsed zarr.json (as zarr-python writes it for the

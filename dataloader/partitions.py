@@ -47,6 +47,7 @@ from .format import (
     PARTITION_PREFIX,
     PARTITIONED_VERSION,
     DatasetIndex,
+    ShardInfo,
     check_int,
     check_zarr_metadata,
     load_index,
@@ -210,7 +211,10 @@ def verify_partitions(store: Store, index: DatasetIndex) -> None:
                     f"{store.uri}: shard {key!r} has {size} bytes, the receipt says {shard.nbytes}"
                 )
             tail = store.get_range(key, size - a.index_nbytes, a.index_nbytes)
-            if digest(tail) != shard.index_digest:
+            if digest(tail) != shard.index_digest or (
+                shard.table is not None
+                and ShardInfo.table_of(tail, a.chunks_per_shard) != shard.table
+            ):
                 raise FormatError(
                     f"{store.uri}: shard {key!r} (array {path!r}) does not match its receipt"
                 )

@@ -103,6 +103,13 @@ class BlockReader:
             return hit
         a = self.index.arrays[path]
         info = a.shards[shard]
+        if info.table is not None:  # recorded in the index: no request
+            table = np.asarray(
+                [(EMPTY, EMPTY) if t is None else t for t in info.table], dtype="<u8"
+            ).reshape(-1, 2)
+            with self._lock:
+                self._indexes[(path, shard)] = table
+            return table
         key = self.prefix + a.shard_key(shard)
         raw = self.cache.get(info.index_digest) if self.cache else None
         if raw is None:
@@ -228,12 +235,15 @@ class BlockReader:
         for b, p in zip(blocks, where.tolist(), strict=True):
             wanted.setdefault(p, []).append(int(b) - int(self._part_start[p]))
         chunks = {p: self._parts[p].chunks_for_blocks(local) for p, local in wanted.items()}
-        checks = [
-            executor.submit(self._parts[p].check_metadata) for p in chunks
-            if not self._parts[p]._meta_checked
+        checks = [  # one request each, all in flight together
+            (p, executor.submit(self._parts[p].check_metadata, [path]))
+            for p in chunks if not self._parts[p]._meta_checked
+            for path in self._parts[p].metadata_paths()
         ]
         index_jobs = [self._parts[p]._submit_shard_indexes(c, executor) for p, c in chunks.items()]
-        _wait_all(checks + [f for jobs in index_jobs for f in jobs])  # before any decode
+        _wait_all([f for _, f in checks] + [f for jobs in index_jobs for f in jobs])
+        for p in {p for p, _ in checks}:  # every path of p was checked: before any decode
+            self._parts[p]._meta_checked = True
         decoded: dict[int, dict[ChunkId, np.ndarray]] = {}
         futures: list[tuple[int, Future[Any]]] = []
         for p, c in chunks.items():
@@ -247,12 +257,19 @@ class BlockReader:
             for b, p in zip(blocks, where.tolist(), strict=True)
         ]
 
-    def check_metadata(self) -> None:
-        """Check this partition's zarr.json files against its index (once)."""
+    def metadata_paths(self) -> list[str]:
+        """The arrays this reader decodes (whose zarr.json must be checked first)."""
+        return sorted({p for f in self.fields for p in f.arrays.values()})
+
+    def check_metadata(self, paths: Sequence[str] | None = None) -> None:
+        """Check this partition's zarr.json files (or those of `paths`) against its index;
+        checking them all marks the partition checked."""
         if not self._meta_checked:
-            paths = sorted({p for f in self.fields for p in f.arrays.values()})
-            check_zarr_metadata(self.store, self.index, paths, self.prefix)
-            self._meta_checked = True
+            check_zarr_metadata(
+                self.store, self.index, list(paths or self.metadata_paths()), self.prefix
+            )
+            if paths is None:
+                self._meta_checked = True
 
     def _fetch(self, key: str, req: MergedRange[_Part]) -> list[tuple[ChunkId, np.ndarray]]:
         buf = np.empty(req.length, dtype=np.uint8)  # not zero-filled

@@ -28,7 +28,6 @@ from ckptstore.format.hashing import digest
 from ckptstore.stores import Store, open_store
 
 from .format import (
-    EMPTY,
     INDEX_KEY,
     KINDS,
     MAX_CHUNK_NBYTES,
@@ -266,14 +265,10 @@ class _ArrayWriter:
 
     def record_shard(self, shard: int, data: memoryview) -> None:
         """Digest every chunk of a shard object zarr is about to store."""
-        p = self.chunks_per_shard
-        tail = data[len(data) - (16 * p + 4) :]
-        index = np.frombuffer(tail[: 16 * p], dtype="<u8").reshape(p, 2)
-        chunks = tuple(
-            None if int(off) == EMPTY else digest(data[int(off) : int(off) + int(n)])
-            for off, n in index
-        )
-        self.shards[shard] = ShardInfo(len(data), digest(tail), chunks)
+        tail = data[len(data) - (16 * self.chunks_per_shard + 4) :]
+        table = ShardInfo.table_of(tail, self.chunks_per_shard)
+        chunks = tuple(None if t is None else digest(data[t[0] : t[0] + t[1]]) for t in table)
+        self.shards[shard] = ShardInfo(len(data), digest(tail), chunks, table)
 
 
 class DatasetWriter:
@@ -324,7 +319,8 @@ class DatasetWriter:
         self._lock = threading.Lock()
         self._arrays: dict[str, _ArrayWriter] = {}
         adapter = _KeepingAdapter if self._prefix else ZarrStoreAdapter
-        self._adapter = adapter(self.store, self._prefix, on_set=self._on_set)
+        # zarr.json objects are written once, in their final form, by finish_arrays
+        self._adapter = adapter.holding_metadata(self.store, self._prefix, on_set=self._on_set)
         self._group: zarr.Group | None = None
         self._specs: dict[str, _Spec] | None = None
         self._probe_specs: dict[str, _Spec] | None = None
@@ -540,6 +536,7 @@ class DatasetWriter:
             if spec.kind in ("ragged", "bytes", "str"):  # final offset: N+1 rows
                 self._arrays[f"{name}/offsets"].append(np.asarray([self._data_len[name]], np.int64))
         arrays = {path: w.finish() for path, w in self._arrays.items()}
+        self._adapter.flush_metadata()  # before any sync: the caller makes it all durable
         fields = []
         for name, spec in self._specs.items():
             if spec.kind in ("scalar", "fixed"):
@@ -627,7 +624,7 @@ class _KeepingAdapter(ZarrStoreAdapter):
         return None
 
     def with_read_only(self, read_only: bool = False) -> ZarrStoreAdapter:
-        return _KeepingAdapter(self.store, self.prefix, read_only, self.on_set)
+        return _KeepingAdapter(self.store, self.prefix, read_only, self.on_set, self.held)
 
 
 def choose_rows_per_chunk(

@@ -2,10 +2,13 @@
 straight into local folders, memory stores or S3.
 
 Contract: keys are passed through unchanged (zarr keys such as ``tokens/c/0/0`` are valid
-ckptstore keys for valid field names). Every ``set`` is a whole-object ``Store.put``. An optional
-``on_set(key, data)`` hook sees the exact bytes written (the writer uses it to digest each
-chunk inside a shard without reading anything back). Reads serve zarr itself (validation,
-tests); the streaming read path does not go through zarr.
+ckptstore keys for valid field names). Every ``set`` is a whole-object ``Store.put``, except
+that an adapter made by `holding_metadata` keeps the ``zarr.json`` objects in memory (and serves
+them from there) until `flush_metadata()` writes each one once, in its final form: zarr rewrites
+an array's metadata on every resize, and each rewrite would be a durable put (an fsync, or an S3
+request). An optional ``on_set(key, data)`` hook sees the exact bytes written (the writer
+uses it to digest each chunk inside a shard without reading anything back). Reads serve zarr
+itself (validation, tests); the streaming read path does not go through zarr.
 """
 
 from __future__ import annotations
@@ -37,12 +40,38 @@ class ZarrStoreAdapter(ZarrStore):
     supports_listing = True
 
     def __init__(
-        self, store: Store, prefix: str = "", read_only: bool = False, on_set: OnSet | None = None
+        self,
+        store: Store,
+        prefix: str = "",
+        read_only: bool = False,
+        on_set: OnSet | None = None,
+        held: dict[str, bytes] | None = None,
     ) -> None:
         super().__init__(read_only=read_only)
         self.store = store
         self.prefix = prefix.strip("/")
         self.on_set = on_set
+        # held zarr.json objects (full key -> bytes), shared with with_read_only() copies;
+        # None: metadata is written through like any other key
+        self.held = held
+
+    @classmethod
+    def holding_metadata(
+        cls, store: Store, prefix: str = "", on_set: OnSet | None = None
+    ) -> ZarrStoreAdapter:
+        """An adapter that keeps zarr.json objects until `flush_metadata()`."""
+        return cls(store, prefix, False, on_set, {})
+
+    def flush_metadata(self) -> None:
+        """Write every held zarr.json (its last version), in key order; keep holding."""
+        if self.held is None:
+            return
+        for key in sorted(self.held):
+            self.store.put(key, self.held[key])
+        self.held.clear()
+
+    def _is_held(self, key: str) -> bool:
+        return self.held is not None and (key == "zarr.json" or key.endswith("/zarr.json"))
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -58,7 +87,7 @@ class ZarrStoreAdapter(ZarrStore):
         return hash((id(self.store), self.prefix))
 
     def with_read_only(self, read_only: bool = False) -> ZarrStoreAdapter:
-        return ZarrStoreAdapter(self.store, self.prefix, read_only, self.on_set)
+        return ZarrStoreAdapter(self.store, self.prefix, read_only, self.on_set, self.held)
 
     async def get(
         self,
@@ -67,6 +96,11 @@ class ZarrStoreAdapter(ZarrStore):
         byte_range: ByteRequest | None = None,
     ) -> Buffer | None:
         prototype = prototype or default_buffer_prototype()
+        if self.held is not None and self._key(key) in self.held:
+            held = self.held[self._key(key)]
+            if byte_range is not None:  # zarr reads metadata whole; ranges for completeness
+                held = _slice(held, byte_range)
+            return prototype.buffer.from_bytes(held)
         try:
             data = await asyncio.to_thread(self._get_sync, self._key(key), byte_range)
         except ObjectNotFoundError:
@@ -76,15 +110,7 @@ class ZarrStoreAdapter(ZarrStore):
     def _get_sync(self, key: str, byte_range: ByteRequest | None) -> bytes:
         if byte_range is None:
             return self.store.get(key)
-        size = self.store.stat(key).size
-        if isinstance(byte_range, RangeByteRequest):
-            start, end = byte_range.start, min(byte_range.end, size)
-        elif isinstance(byte_range, OffsetByteRequest):
-            start, end = byte_range.offset, size
-        elif isinstance(byte_range, SuffixByteRequest):
-            start, end = max(0, size - byte_range.suffix), size
-        else:  # pragma: no cover - zarr defines only the three
-            raise TypeError(f"unknown byte range {byte_range!r}")
+        start, end = _bounds(byte_range, self.store.stat(key).size)
         return self.store.get_range(key, start, max(0, end - start))
 
     async def get_partial_values(
@@ -93,6 +119,8 @@ class ZarrStoreAdapter(ZarrStore):
         return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
 
     async def exists(self, key: str) -> bool:
+        if self.held is not None and self._key(key) in self.held:
+            return True
         return await asyncio.to_thread(self.store.exists, self._key(key))
 
     async def set(self, key: str, value: Buffer) -> None:
@@ -101,10 +129,16 @@ class ZarrStoreAdapter(ZarrStore):
         full = self._key(key)
         if self.on_set is not None:
             self.on_set(full, memoryview(data))
+        if self._is_held(key):
+            assert self.held is not None
+            self.held[full] = data
+            return
         await asyncio.to_thread(self.store.put, full, data)
 
     async def delete(self, key: str) -> None:
         self._check_writable()
+        if self.held is not None:
+            self.held.pop(self._key(key), None)
         await asyncio.to_thread(self.store.delete, self._key(key))
 
     async def set_partial_values(
@@ -115,7 +149,9 @@ class ZarrStoreAdapter(ZarrStore):
     def _keys(self, prefix: str) -> list[str]:
         full = self._key(prefix)
         cut = len(self.prefix) + 1 if self.prefix else 0
-        return [info.key[cut:] for info in self.store.list(full)]
+        keys = {info.key[cut:] for info in self.store.list(full)}
+        keys.update(k[cut:] for k in (self.held or {}) if k.startswith(full))
+        return sorted(keys)
 
     async def list(self) -> AsyncIterator[str]:
         for key in await asyncio.to_thread(self._keys, ""):
@@ -134,3 +170,19 @@ class ZarrStoreAdapter(ZarrStore):
             if head and head not in seen:
                 seen.add(head)
                 yield head
+
+
+def _bounds(byte_range: ByteRequest, size: int) -> tuple[int, int]:
+    """[start, end) of a zarr byte request on an object of `size` bytes."""
+    if isinstance(byte_range, RangeByteRequest):
+        return byte_range.start, min(byte_range.end, size)
+    if isinstance(byte_range, OffsetByteRequest):
+        return byte_range.offset, size
+    if isinstance(byte_range, SuffixByteRequest):
+        return max(0, size - byte_range.suffix), size
+    raise TypeError(f"unknown byte range {byte_range!r}")  # pragma: no cover - zarr has three
+
+
+def _slice(data: bytes, byte_range: ByteRequest) -> bytes:
+    start, end = _bounds(byte_range, len(data))
+    return data[start:end]

@@ -27,12 +27,17 @@ def main() -> None:
         for w in cfg.get("write_workers", [None]):
             target = f"{uri}-w{w}" if "write_workers" in cfg else uri
             t0 = time.perf_counter()
+            # "pN": N forked processes, each generating the samples of its own partitions
+            forked = isinstance(w, str) and w.startswith("p")
             dataloader.write_dataset(
                 target,
-                ({field: x} for x in synth.samples(kind, scale)),
+                synth.LazySamples(kind, scale, field)
+                if forked
+                else ({field: x} for x in synth.samples(kind, scale)),
                 schema={"tokens": "fixed"} if kind == "tokens" else None,
                 store_options=opts,
-                workers=w,
+                workers=int(w[1:]) if forked else w,
+                **({"executor": "processes"} if forked else {}),
                 **({"shard_bytes": cfg["shard_bytes"]} if "shard_bytes" in cfg else {}),
             )
             result[f"write_s_w{w}" if "write_workers" in cfg else "write_s"] = (

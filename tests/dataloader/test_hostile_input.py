@@ -679,11 +679,16 @@ def test_only_the_selected_fields_arrays_are_checked(small_uri):
 @pytest.mark.timeout(10)
 def test_shard_index_entry_larger_than_a_chunk_is_refused_before_reading(small_uri):
     """A forged shard index (with its digest and the fingerprint updated to match) that
-    claims a chunk of 2**40 bytes: refused before any buffer is allocated."""
+    claims a chunk of 2**40 bytes: refused before any buffer is allocated. The index is made
+    one without recorded shard tables (as datasets written before them are), so the reader
+    fetches the forged shard index."""
     uri = _copy_store(small_uri)
     store = open_store(uri)
     doc = _doc(uri)
     a = doc["arrays"]["id"]
+    for arr in doc["arrays"].values():
+        for sh in arr["shards"]:
+            del sh["table"]
     key = "id/c/0"
     shard = bytearray(store.get(key))
     tail_len = 16 * a["chunks_per_shard"] + 4
@@ -699,6 +704,18 @@ def test_shard_index_entry_larger_than_a_chunk_is_refused_before_reading(small_u
         IntegrityError,
         "chunk 0",
     )
+
+
+def test_recorded_shard_table_forged_is_refused_at_open(small_uri):
+    """A recorded shard index (with the fingerprint updated) claiming a chunk of 2**40 bytes,
+    or an absent chunk that has a digest: the index is refused when it is opened."""
+    for entry, match in (([0, 2**40], "outside the shard"), (None, "present/absent")):
+        uri = _copy_store(small_uri)
+        doc = _doc(uri)
+        doc["arrays"]["id"]["shards"][0]["table"][0] = entry
+        open_store(uri).put(INDEX_KEY, _forge(doc))
+        with pytest.raises(FormatError, match=match):
+            _ds(uri, shuffle=False)
 
 
 def test_writer_refuses_what_readers_would_refuse(tmp_path):

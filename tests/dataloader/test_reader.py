@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import numpy as np
@@ -11,6 +12,7 @@ import dataloader
 from ckptstore import IntegrityError, open_store
 from ckptstore.pipeline.ranges import merge_ranges
 from dataloader.cache import ChunkCache
+from dataloader.format import DatasetIndex, canonical_json
 
 from .conftest import make_samples
 
@@ -73,12 +75,24 @@ def test_corrupt_chunk_raises_integrity_error(small_uri):
 
 
 def test_corrupt_shard_index_raises_integrity_error(small_uri):
+    """Where the index records no shard tables (datasets written before them), the reader
+    fetches each shard index and refuses a corrupt one. Where it records them, the stored
+    tail is not read: the samples come out whole (each chunk checked against its digest)."""
     uri = _copy(small_uri)
     store = open_store(uri)
     key = "id/c/0"
     data = bytearray(store.get(key))
     data[-10] ^= 0x01
     store.put(key, bytes(data))
+    assert len(list(dataloader.StreamingDataset(uri, io_threads=0))) == 523
+    doc = json.loads(store.get("dataset.json"))
+    for a in doc["arrays"].values():
+        for shard in a["shards"]:
+            del shard["table"]
+    body = {k: v for k, v in doc.items() if k != "fingerprint"}
+    store.put("dataset.json", canonical_json(
+        {**body, "fingerprint": DatasetIndex.compute_fingerprint(body)}
+    ))
     with pytest.raises(IntegrityError, match="shard index"):
         list(dataloader.StreamingDataset(uri, io_threads=0))
 
