@@ -44,15 +44,20 @@ def manifest_key(name: str) -> str:
     return f"{MANIFEST_PREFIX}{validate_name(name)}{MANIFEST_SUFFIX}"
 
 
-def name_of_manifest_key(key: str) -> str | None:
-    """The checkpoint name a key under checkpoints/ would have, or None if it cannot be one."""
-    rest = key[len(MANIFEST_PREFIX):] if key.startswith(MANIFEST_PREFIX) else ""
+def _name_under(prefix: str, key: str) -> str | None:
+    """The checkpoint name in `key` = prefix + name + ".json", or None if it cannot be one."""
+    rest = key[len(prefix):] if key.startswith(prefix) else ""
     if not rest.endswith(MANIFEST_SUFFIX):
         return None
     try:
         return validate_name(rest[: -len(MANIFEST_SUFFIX)])
     except ValueError:
         return None
+
+
+def name_of_manifest_key(key: str) -> str | None:
+    """The checkpoint name a key under checkpoints/ would have, or None if it cannot be one."""
+    return _name_under(MANIFEST_PREFIX, key)
 
 
 def lease_key(kind: str, token: str) -> str:
@@ -79,10 +84,4 @@ def replication_key(name: str) -> str:
 
 def name_of_replication_key(key: str) -> str | None:
     """The checkpoint name of a pending-replication record key, or None."""
-    rest = key[len(REPLICATION_PREFIX):] if key.startswith(REPLICATION_PREFIX) else ""
-    if not rest.endswith(MANIFEST_SUFFIX):
-        return None
-    try:
-        return validate_name(rest[: -len(MANIFEST_SUFFIX)])
-    except ValueError:
-        return None
+    return _name_under(REPLICATION_PREFIX, key)
