@@ -49,7 +49,15 @@ from .layout import MANIFEST_PREFIX, MARKER_KEY, blob_key, manifest_key, name_of
 from .maintenance import checks, leases
 from .pipeline.commit import LOCAL, Committer, LocalCommitter, SaveRequest
 from .pipeline.loading import load_state
-from .pipeline.overlap import Guard, Overlap, StagingPool, check_staging
+from .pipeline.overlap import (
+    Guard,
+    Overlap,
+    StagingPool,
+    check_async_writer,
+    check_staging,
+    overlap_options,
+    staging_pool,
+)
 from .pipeline.reader import CheckpointReader, LoadOptions
 from .pipeline.staging import StagingArena
 from .pipeline.writer import CheckpointWriter, KnownChunks, SaveInfo, SaveOptions
@@ -69,10 +77,6 @@ class _Default(enum.Enum):
 #: `compression=` of a save that keeps the repository's setting (None means "no compression").
 REPO_DEFAULT = _Default.REPOSITORY
 Compression = str | Codec | None | _Default
-
-#: Overlapped saves run up to this many threads: `workers` hash and write, the others have
-#: copied a block into a staging slot and wait for their turn to write it
-MAX_OVERLAP_WORKERS = 32
 
 #: A save's manifest is created at least this long after the newest checkpoint it saw.
 COMMIT_ORDER_STEP = 1e-3
@@ -169,7 +173,11 @@ class CheckpointStore:
     (at most one save in flight, a new one waits for the previous).
 
     `workers` sets the threads of saves and restores alike; by default a save uses 8 and a
-    restore `reader.default_load_workers()` (two per core, 4 to 8).
+    restore `reader.default_load_workers()` (two per core, 4 to 8). A save that runs beside
+    training (`save_async`) works on `background_workers` threads at once (default 1: one
+    core; raise it for S3, whose requests mostly wait); `async_writer="process"` moves the
+    writes of overlapped saves into a writer process (local folders only; see
+    docs/training.md).
 
     `hash` chooses, when the repository is created, how chunks are named: "xxh3-128" (the
     default; detects accidents) or "sha256-128" (a writer without the manifest cannot forge
@@ -182,6 +190,7 @@ class CheckpointStore:
                  compression: str | Codec | None = None, workers: int | None = None,
                  max_inflight_bytes: int | None = None, hash: str | None = None,
                  staging: str = "copy", max_host_bytes: int | None = None,
+                 async_writer: str = "thread", background_workers: int = 1,
                  **store_options: Any) -> None:
         check_staging(staging, max_host_bytes)
         #: defaults of `save_async` (see there)
@@ -200,7 +209,9 @@ class CheckpointStore:
             pack_threshold=min(defaults.pack_threshold, chunk_bytes or defaults.chunk_bytes),
             compression=codec_option(compression),
             workers=defaults.workers if workers is None else workers,
-            max_inflight_bytes=max_inflight_bytes or defaults.max_inflight_bytes)
+            max_inflight_bytes=max_inflight_bytes or defaults.max_inflight_bytes,
+            background_workers=background_workers, async_writer=async_writer)
+        check_async_writer(async_writer, self.store)
         load_defaults = LoadOptions()
         self.load_options = LoadOptions(
             workers=load_defaults.workers if workers is None else workers,
@@ -577,17 +588,12 @@ class CheckpointStore:
                         if staging == "copy":
                             request = replace(request,
                                               leaves=self._arena.stage(request.leaves))
+                            options = options.for_background()
                         else:
-                            budget = max_host_bytes or options.max_inflight_bytes
-                            # enough workers to fill the budget with copies at once: a guarded
-                            # step waits for copies, not for the writes behind them
-                            slots = budget // min(options.chunk_bytes, budget)
-                            writers = options.workers
-                            options = replace(options, max_inflight_bytes=budget,
-                                              workers=max(writers, min(MAX_OVERLAP_WORKERS,
-                                                                       slots + writers)))
+                            options = overlap_options(options, max_host_bytes)
                             request, overlap = self._overlap_request(
-                                request, state, set(copy_keys), options, writers)
+                                request, state, set(copy_keys), options,
+                                options.background_workers)
             except BaseException:
                 lease.release()
                 raise
@@ -636,9 +642,7 @@ class CheckpointStore:
                 obj = None
             leaves.append(leaf)
             sources.append(obj)
-        slot = min(options.chunk_bytes, options.max_inflight_bytes)
-        if self._pool is None or self._pool.slot_bytes != slot:
-            self._pool = StagingPool(slot)
+        self._pool = staging_pool(self._pool, self.store, options)
         overlap = Overlap(leaves, sources, self._pool, writers)
         return replace(request, leaves=leaves), overlap
 
@@ -697,6 +701,8 @@ class CheckpointStore:
             self.wait()
         finally:
             self._bg.shutdown(wait=True)
+            if self._pool is not None:
+                self._pool.close()
             self.store.close()
 
     def __enter__(self) -> CheckpointStore:

@@ -34,14 +34,23 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..errors import SourceChangedError
 from ..format.leaf import ArrayLeaf
+from ..stores.base import Store
+from ..stores.local import LocalStore
+from .writer import SaveOptions
+from .writer_process import SharedSlot, WriterProcess
 
 STAGING_MODES = ("copy", "overlap")
+ASYNC_WRITERS = ("thread", "process")
+#: An overlapped save's writer runs up to this many threads: `background_workers` of them
+#: work at once (Turns), the others hold a staged block and wait for their turn to write it
+MAX_OVERLAP_THREADS = 32
 
 
 def check_staging(staging: str, max_host_bytes: int | None) -> None:
@@ -49,6 +58,16 @@ def check_staging(staging: str, max_host_bytes: int | None) -> None:
         raise ValueError(f"staging must be one of {STAGING_MODES}, got {staging!r}")
     if max_host_bytes is not None and (type(max_host_bytes) is not int or max_host_bytes < 1):
         raise ValueError(f"max_host_bytes must be a positive int, got {max_host_bytes!r}")
+
+
+def overlap_options(options: SaveOptions, max_host_bytes: int | None) -> SaveOptions:
+    """The options of an overlapped save: the staging budget (`max_host_bytes`, default
+    `max_inflight_bytes`) bounds the pipeline's memory, and the writer gets a thread per
+    staging slot besides its working threads, so that copies fill every free slot at once."""
+    budget = max_host_bytes or options.max_inflight_bytes
+    slots = budget // min(options.chunk_bytes, budget)
+    return replace(options, max_inflight_bytes=budget,
+                   workers=min(MAX_OVERLAP_THREADS, slots + options.background_workers))
 
 
 def _version_source(obj: Any) -> Any:
@@ -61,13 +80,22 @@ def _version_source(obj: Any) -> Any:
 class StagingPool:
     """Reusable slots of `slot_bytes` for block copies; slots are allocated lazily and kept.
     How many are in use at once is bounded by the writer's ByteBudget (each holder holds at
-    least a slot's bytes), so at most budget // slot_bytes slots ever exist."""
+    least a slot's bytes), so at most budget // slot_bytes slots ever exist. With a
+    `writer` process, slots are shared memory that process writes from (`sink`)."""
 
-    def __init__(self, slot_bytes: int) -> None:
+    def __init__(self, slot_bytes: int, writer: WriterProcess | None = None) -> None:
         self.slot_bytes = slot_bytes
+        self.sink = writer
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
         self.allocated = 0
+
+    def _new_slot(self, index: int) -> np.ndarray:
+        if self.sink is None:
+            return np.empty(self.slot_bytes, np.uint8)
+        shared = SharedSlot(index, self.slot_bytes)
+        self.sink.add_slot(shared)
+        return shared.array
 
     @contextmanager
     def buffer(self, nbytes: int) -> Iterator[np.ndarray]:
@@ -78,27 +106,108 @@ class StagingPool:
         with self._lock:
             slot = self._free.pop() if self._free else None
             if slot is None:
+                index = self.allocated
                 self.allocated += 1
         if slot is None:
-            slot = np.empty(self.slot_bytes, np.uint8)
+            slot = self._new_slot(index)
         try:
             yield slot
         finally:
             with self._lock:
                 self._free.append(slot)
 
+    def close(self) -> None:
+        """Stop the writer process, if any (the pool's slots stay usable by threads)."""
+        if self.sink is not None:
+            self.sink.close()
+
+
+def staging_pool(current: StagingPool | None, store: Store, options: SaveOptions
+                 ) -> StagingPool:
+    """The pool an overlapped save with `options` uses: `current` if it fits, else a new
+    one (and `current` is closed)."""
+    slot = min(options.chunk_bytes, options.max_inflight_bytes)
+    threads = options.background_workers if options.async_writer == "process" else None
+    if current is not None and current.slot_bytes == slot and threads == (
+            None if current.sink is None else current.sink.threads):
+        return current
+    if current is not None:
+        current.close()
+    writer = None
+    if threads is not None:
+        check_async_writer(options.async_writer, store)
+        assert isinstance(store, LocalStore)
+        writer = WriterProcess(store.root, threads)
+    return StagingPool(slot, writer)
+
+
+def check_async_writer(async_writer: str, store: Store) -> None:
+    """ValueError unless `async_writer` can write to `store`."""
+    if async_writer not in ASYNC_WRITERS:
+        raise ValueError(f"async_writer must be one of {ASYNC_WRITERS}, got {async_writer!r}")
+    if async_writer == "process" and not isinstance(store, LocalStore):
+        raise ValueError('async_writer="process" writes to local folders only; '
+                         f"{store.uri} is not one (use the default, \"thread\")")
+
+
+class Turns:
+    """At most `n` holders at once, and a copy always goes before a write that waits.
+
+    The writer of an overlapped save runs more threads than this (so that a copy into a free
+    slot never waits for a thread), but only `n` of them work at a time, whatever the work:
+    a copy into a slot, or hashing, compressing and writing a staged block. A background
+    save then takes no more than `n` cores from the training beside it, and copies, which a
+    guarded `optimizer.step()` waits for, are never queued behind writes."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError("turns must be positive")
+        self.n = n
+        self._busy = 0
+        self._copies_waiting = 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def copy(self) -> Iterator[None]:
+        with self._cond:
+            self._copies_waiting += 1
+            while self._busy >= self.n:
+                self._cond.wait()
+            self._copies_waiting -= 1
+            self._busy += 1
+        try:
+            yield
+        finally:
+            self._release()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            while self._busy >= self.n or self._copies_waiting:
+                self._cond.wait()
+            self._busy += 1
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._cond.notify_all()
+
 
 class Overlap:
     """The state of one overlapped save (module docstring). Thread-safe."""
 
     def __init__(self, leaves: list[ArrayLeaf], objects: list[Any], pool: StagingPool,
-                 writers: int = 8) -> None:
+                 active: int = 1) -> None:
         self.leaves = leaves
         self.pool = pool
-        #: jobs hashing/compressing/writing at once: the writer may run more threads than
-        #: this, so that copies into free slots never wait for writes (a guarded step waits
-        #: for copies only), while hashing and writing use no more CPU than `writers` threads
-        self.writing = threading.BoundedSemaphore(writers)
+        #: how many of the writer's threads copy, hash or write at once (see Turns)
+        self.turns = Turns(active)
+        #: where blobs are written when not through the store itself (a writer process)
+        self.sink = pool.sink
         self.sources = [_version_source(o) for o in objects]
         self.versions = [None if s is None else int(s._version) for s in self.sources]
         self.events = [threading.Event() for _ in leaves]

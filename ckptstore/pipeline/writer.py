@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,7 +48,9 @@ MiB = 1 << 20
 class SaveOptions:
     """Tuning of one save. `chunk_bytes`: target raw size of a row block and of a pack;
     arrays of at most `pack_threshold` bytes are packed together; `max_inflight_bytes` bounds
-    the extra memory the pipeline allocates; `workers` is the thread-pool size."""
+    the extra memory the pipeline allocates; `workers` is the thread-pool size of a save the
+    caller waits for, `background_workers` how many threads of a save running beside
+    training (`save_async`) work at once: each takes a core from the training step."""
 
     chunk_bytes: int = 16 * MiB
     pack_threshold: int = 256 * 1024
@@ -56,12 +58,21 @@ class SaveOptions:
     workers: int = 8
     max_inflight_bytes: int = 512 * MiB
     hash: HashAlgorithm = XXH3_128  # the repository's: names every chunk
+    background_workers: int = 1
+    #: who writes the blobs of an overlapped save: "thread" (threads of this process) or
+    #: "process" (a writer process sharing the staging slots: pipeline/writer_process.py)
+    async_writer: str = "thread"
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < 1 or self.pack_threshold < 0 or self.workers < 1:
+        if self.chunk_bytes < 1 or self.pack_threshold < 0 or self.workers < 1 \
+                or self.background_workers < 1:
             raise ValueError("chunk_bytes and workers must be positive, pack_threshold >= 0")
         if self.pack_threshold > self.chunk_bytes:
             raise ValueError("pack_threshold cannot exceed chunk_bytes")
+
+    def for_background(self) -> SaveOptions:
+        """The options of a save written beside training (staged at call time)."""
+        return replace(self, workers=self.background_workers)
 
 
 @dataclass(frozen=True)
@@ -224,8 +235,9 @@ class CheckpointWriter:
             if blob in self._claimed:
                 return False
             self._claimed.add(blob)
+        sink = self.overlap.sink if self.overlap is not None else None
         with self.stats.timed("write"):
-            self.store.put(blob_key(blob), data)
+            (self.store if sink is None else sink).put(blob_key(blob), data)
         return True
 
     def _chunk_job(self, leaf: ArrayLeaf, start: int, stop: int, index: int = -1) -> ChunkRef:
@@ -243,13 +255,13 @@ class CheckpointWriter:
         slot_hold = max(block.nbytes, overlap.pool.slot_bytes)
         extra = block.nbytes // 2 if codec is not None else 0
         with self.budget.hold(slot_hold + extra), overlap.pool.buffer(block.nbytes) as slot:
-            with self.stats.timed("stage"):
+            with overlap.turns.copy(), self.stats.timed("stage"):
                 overlap.check(index)
                 dst = np.ndarray(block.shape, block.dtype.newbyteorder("="), slot, 0)
                 np.copyto(dst, block)
                 overlap.check(index)
             overlap.copied(index)
-            with overlap.writing:
+            with overlap.turns.write():
                 return self._chunk_of(leaf, dst, hold_compressed=False)
 
     def _chunk_of(self, leaf: ArrayLeaf, block: np.ndarray, hold_compressed: bool) -> ChunkRef:
@@ -293,7 +305,7 @@ class CheckpointWriter:
         with self.budget.hold(slot_hold + total), overlap.pool.buffer(sum(sizes)) as slot:
             staged = []
             pos = 0
-            with self.stats.timed("stage"):
+            with overlap.turns.copy(), self.stats.timed("stage"):
                 for (index, leaf), size in zip(members, sizes):
                     src = leaf.array
                     overlap.check(index)
@@ -303,7 +315,7 @@ class CheckpointWriter:
                     overlap.copied(index)
                     staged.append((index, leaf.with_array(dst)))
                     pos += size
-            with overlap.writing:
+            with overlap.turns.write():
                 return self._pack_of(staged, hold=False)
 
     def _pack_of(self, members: list[tuple[int, ArrayLeaf]], hold: bool
@@ -376,6 +388,8 @@ class CheckpointWriter:
                     refs.update(((j, 0), ref) for j, ref in done.result().items())
         if self.overlap is not None:
             self.overlap.confirm()
+            if self.overlap.sink is not None:
+                self.overlap.sink.sync()  # what the writer process wrote: durable now too
         return refs
 
     def creation_time(self) -> float:

@@ -1,0 +1,331 @@
+"""A writer process for overlapped background saves (`async_writer="process"`).
+
+The training process copies each block into a staging slot that lives in shared memory (an
+anonymous `memfd`, mapped in both processes); the writer process writes it to the store
+(`LocalStore.put`: temp file, fsync, rename) and answers. The store's Python work and the
+write syscalls then run under the writer's own interpreter lock, not the trainer's.
+
+Protocol, over a Unix socket pair (no pickle: JSON lines and raw bytes):
+
+* parent -> writer, one JSON object per line:
+  - `{"op": "map", "slot": i, "nbytes": n}`, with the slot's memfd passed beside it
+    (SCM_RIGHTS): the writer maps it; the parent keeps its own mapping.
+  - `{"op": "put", "id": k, "key": key, "slot": i, "offset": o, "nbytes": n}`: write bytes
+    [o, o + n) of slot i as object `key`; or `{"op": "put", "id": k, "key": key,
+    "inline": n}` followed by n raw bytes (data that is not in a slot: packs of small
+    arrays, compressed chunks).
+  - `{"op": "sync", "id": k}`: make every object written so far durable (`store.sync()`).
+* writer -> parent: `{"id": k}` when request k is done, or `{"id": k, "error": {"type":
+  ..., "message": ..., "errno": ...}}`.
+
+Lifetime: one writer per staging pool, started at its first request. The writer exits when
+the socket closes (the parent closed it or died) and, in case another process inherited the
+parent's end, when its parent process changes (polled every 0.1 s). A writer killed mid-way
+fails the requests in flight (StoreError): the save fails and nothing is committed, since
+only the parent ever creates manifests; the next save starts a new writer. A parent killed
+mid-way commits nothing either; the writer finishes at most the object in hand (an
+unreferenced blob, later reclaimed by gc) and exits.
+"""
+
+from __future__ import annotations
+
+import array
+import concurrent.futures as cf
+import itertools
+import json
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import DurabilityError, StoreAccessError, StoreError
+from ..stores.base import Buffer
+from ..stores.local import LocalStore
+
+_ERRORS: dict[str, type[StoreError]] = {
+    "DurabilityError": DurabilityError, "StoreAccessError": StoreAccessError}
+_RECV = 1 << 16
+_FDS_SPACE = socket.CMSG_SPACE(16 * array.array("i").itemsize)
+PARENT_POLL = 0.1  # seconds between the writer's checks that its parent is alive
+_CHILD_MAIN = "from ckptstore.pipeline.writer_process import main; main()"
+
+
+class SharedSlot:
+    """`nbytes` of shared memory (a memfd) mapped here. Its fd stays open while the slot
+    lives, so that a restarted writer can map it too."""
+
+    def __init__(self, index: int, nbytes: int) -> None:
+        if not hasattr(os, "memfd_create"):
+            raise StoreError('async_writer="process" needs Linux (os.memfd_create)')
+        self.index = index
+        self.nbytes = nbytes
+        self.fd = os.memfd_create(f"ckptstore-slot-{index}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, nbytes)
+        self._map = mmap.mmap(self.fd, nbytes)
+        self.array = np.frombuffer(self._map, np.uint8)
+        self.address = int(self.array.ctypes.data)
+
+    def close(self) -> None:
+        """Close the fd; the mapping goes when the last array viewing it does."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _address(data: Buffer) -> tuple[int, int]:
+    """(first byte's address, length) of a contiguous buffer."""
+    view = np.frombuffer(data, np.uint8)
+    return int(view.ctypes.data), view.nbytes
+
+
+class WriterProcess:
+    """The parent's end: `put()` and `sync()` run in the writer process; thread-safe (many
+    requests may be in flight). Shared slots are registered with `add_slot()`."""
+
+    def __init__(self, root: Path, threads: int = 1) -> None:
+        self.root = root
+        self.threads = threads
+        self._lock = threading.Lock()  # the socket's send side, the slot list, the process
+        self._pending: dict[int, cf.Future[None]] = {}
+        self._ids = itertools.count()
+        self._slots: list[SharedSlot] = []
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- the process
+    def _started(self) -> socket.socket:
+        """The socket of a live writer, started (and given every slot) if needed. Called
+        with the lock held."""
+        if self._closed:
+            raise StoreError("the writer process was closed")
+        if self._sock is not None and self._proc is not None and self._proc.poll() is None:
+            return self._sock
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        package_root = str(Path(__file__).resolve().parents[2])
+        path = os.environ.get("PYTHONPATH")
+        env = dict(os.environ, PYTHONPATH=package_root + (os.pathsep + path if path else ""))
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD_MAIN,
+                 str(theirs.fileno()), str(self.root), str(self.threads)],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, env=env)
+        finally:
+            theirs.close()
+        self._sock = ours
+        threading.Thread(target=self._read_replies, args=(ours, self._proc),
+                         name="ckpt-writer-replies", daemon=True).start()
+        for slot in self._slots:  # a restarted writer maps every slot again
+            self._send_map(ours, slot)
+        return ours
+
+    @staticmethod
+    def _send_map(sock: socket.socket, slot: SharedSlot) -> None:
+        line = json.dumps({"op": "map", "slot": slot.index, "nbytes": slot.nbytes}) + "\n"
+        socket.send_fds(sock, [line.encode()], [slot.fd])
+
+    def _read_replies(self, sock: socket.socket, proc: subprocess.Popen[bytes]) -> None:
+        """Resolve requests as the writer answers; on end of stream fail what is left."""
+        reader = sock.makefile("rb")
+        try:
+            for line in reader:
+                reply = json.loads(line)
+                with self._lock:
+                    fut = self._pending.pop(reply["id"], None)
+                if fut is None:
+                    continue
+                err = reply.get("error")
+                if err is None:
+                    fut.set_result(None)
+                else:
+                    cls = _ERRORS.get(err["type"], StoreError)
+                    exc = cls(f"writer process: {err['message']}")
+                    exc.errno = err.get("errno")
+                    fut.set_exception(exc)
+        except (OSError, ValueError):
+            pass
+        code = proc.poll()
+        if code is None:
+            try:
+                code = proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                code = None
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            if self._sock is sock:
+                self._sock = None
+        for fut in pending.values():
+            fut.set_exception(StoreError(f"the writer process ended (exit status {code}) "
+                                         "before it finished writing; nothing was committed"))
+        reader.close()
+        sock.close()
+
+    # ---------------------------------------------------------------- requests
+    def add_slot(self, slot: SharedSlot) -> None:
+        """Register a shared slot and give it to the writer (started if need be)."""
+        with self._lock:
+            sock = self._started()
+            self._slots.append(slot)
+            self._send_map(sock, slot)
+
+    def _request(self, message: dict[str, Any], payload: Buffer | None = None) -> None:
+        fut: cf.Future[None] = cf.Future()
+        with self._lock:
+            sock = self._started()
+            message["id"] = rid = next(self._ids)
+            self._pending[rid] = fut
+            try:
+                sock.sendall((json.dumps(message) + "\n").encode())
+                if payload is not None:
+                    sock.sendall(payload)
+            except OSError:
+                pass  # the writer died: the reply reader fails the request
+        fut.result()
+
+    def put(self, key: str, data: Buffer) -> None:
+        """Write `data` as `key` in the writer process (like Store.put); returns when written."""
+        address, nbytes = _address(data)
+        with self._lock:
+            slot = next((s for s in self._slots
+                         if s.address <= address and address + nbytes <= s.address + s.nbytes),
+                        None)
+        if slot is not None:
+            self._request({"op": "put", "key": key, "slot": slot.index,
+                           "offset": address - slot.address, "nbytes": nbytes})
+        else:
+            self._request({"op": "put", "key": key, "inline": nbytes}, data)
+
+    def sync(self) -> None:
+        """Make every object the writer wrote durable (LocalStore.sync in the writer)."""
+        self._request({"op": "sync"})
+
+    @property
+    def pid(self) -> int | None:
+        """The writer's process id while one runs (tests kill it)."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def close(self) -> None:
+        """Stop the writer (it finishes the request in hand) and wait for it."""
+        with self._lock:
+            self._closed = True
+            sock, proc = self._sock, self._proc
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        if proc is not None:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for slot in self._slots:
+            slot.close()
+
+
+# -------------------------------------------------------------------- the writer's side
+class _Channel:
+    """Reads JSON lines, raw payloads and passed fds from the socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.fds: deque[int] = deque()
+
+    def _more(self) -> bool:
+        data, ancdata, _flags, _addr = self.sock.recvmsg(_RECV, _FDS_SPACE)
+        for level, kind, cdata in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+                self.fds.extend(fds)
+        self.buf += data
+        return bool(data)
+
+    def line(self) -> dict[str, Any] | None:
+        while b"\n" not in self.buf:
+            if not self._more():
+                return None
+        end = self.buf.index(b"\n")
+        message: dict[str, Any] = json.loads(self.buf[:end])
+        del self.buf[: end + 1]
+        return message
+
+    def payload(self, n: int) -> bytearray:
+        while len(self.buf) < n:
+            if not self._more():
+                raise EOFError("the parent closed the channel mid-message")
+        data = self.buf[:n]
+        del self.buf[:n]
+        return data
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL)
+    os._exit(0)
+
+
+def serve(fd: int, root: str, threads: int) -> None:
+    """The writer's main loop (module docstring)."""
+    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    sock = socket.socket(fileno=fd)
+    channel = _Channel(sock)
+    store = LocalStore(root, create=False)
+    maps: dict[int, memoryview] = {}
+    send_lock = threading.Lock()
+    in_flight: list[cf.Future[None]] = []
+
+    def answer(rid: int, exc: BaseException | None) -> None:
+        reply: dict[str, Any] = {"id": rid}
+        if exc is not None:
+            reply["error"] = {"type": type(exc).__name__, "message": str(exc),
+                              "errno": getattr(exc, "errno", None)}
+        with send_lock:
+            sock.sendall((json.dumps(reply) + "\n").encode())
+
+    def run(rid: int, work: Any) -> None:
+        try:
+            work()
+        except Exception as exc:  # reported to the parent, which raises it
+            answer(rid, exc)
+        else:
+            answer(rid, None)
+
+    with cf.ThreadPoolExecutor(threads, thread_name_prefix="ckpt-writer") as pool:
+        while (msg := channel.line()) is not None:
+            op = msg["op"]
+            if op == "map":
+                slot_fd = channel.fds.popleft()
+                maps[msg["slot"]] = memoryview(mmap.mmap(slot_fd, msg["nbytes"]))
+                os.close(slot_fd)
+            elif op == "put":
+                if "inline" in msg:
+                    data: Buffer = channel.payload(msg["inline"])
+                else:
+                    data = maps[msg["slot"]][msg["offset"] : msg["offset"] + msg["nbytes"]]
+                in_flight.append(pool.submit(run, msg["id"], lambda k=msg["key"], d=data:
+                                             store.put(k, d)))
+            elif op == "sync":
+                cf.wait(in_flight)
+                in_flight.clear()
+                run(msg["id"], store.sync)
+            in_flight[:] = [f for f in in_flight if not f.done()]
+
+
+def main() -> None:
+    """Entry point of the writer process: argv = socket fd, store folder, threads."""
+    fd, root, threads = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    serve(fd, root, threads)
