@@ -14,17 +14,21 @@ every round so that a burst of load from elsewhere hits one round, not one mode:
 * none             no checkpointing: the step time every other mode is compared with
 * copy             CheckpointManager(async_save=True, staging="copy")
 * overlap          the same with staging="overlap", max_host_bytes=--max-host-mib
-* <mode>:thread    ... with async_writer="thread" (hash and write on a thread in-process)
-* <mode>:process   ... with async_writer="process" (hash and write in a writer process)
+* <mode>:thread    ... with async_writer="thread" (blobs written by a thread of the trainer)
+* <mode>:process   ... with async_writer="process" (written by a writer process from the
+                   shared staging slots; overlap only)
+* <mode>@N         ... with max_host_bytes = N MiB (e.g. overlap:process@512)
 * dcp              torch.distributed.checkpoint.async_save (gloo group of world size 1)
 
 Per mode (median over rounds, spread = min..max over rounds): the stall per save, i.e. the
 save call plus the time the next `optimizer.step()` waited for the save's guard; the
 step-time inflation while a save runs in the background, mean and p95, as the step time
 (guard waits excluded: they are in the stall) over the mean step of the round's `none`
-run, minus one; peak extra RSS (ru_maxrss growth from after the warm-up to the end, and the
-writer process's own peak RSS when there is one); the time from the call until the
-checkpoint is durable (committed).
+run, minus one, and the mean over the mean of the same run's steps without a save running
+(interleaved in time with the busy ones, so less exposed to load from elsewhere); peak
+extra RSS (ru_maxrss growth from after the warm-up to the end, plus the writer process's
+peak RSS less the shared slots already counted); the time from the call until the
+checkpoint is durable (committed); the run's CPU time beyond the `none` run's, per save.
 """
 
 from __future__ import annotations
@@ -51,8 +55,23 @@ def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def _children_maxrss() -> int:
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+def _writer_private_peak() -> int:
+    """Peak RSS of this process's writer processes, less the shared staging slots they map
+    (already counted in this process's RSS): /proc/<pid>/status VmHWM - RssShmem."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != os.getpid() or \
+                    b"writer_process" not in (entry / "cmdline").read_bytes():
+                continue
+            status = dict(line.split(":", 1) for line in
+                          (entry / "status").read_text().splitlines() if ":" in line)
+        except (OSError, ValueError):
+            continue
+        kib = {k: int(v.split()[0]) for k, v in status.items() if v.strip().endswith("kB")}
+        total += (kib.get("VmHWM", 0) - kib.get("RssShmem", 0)) * 1024
+    return total
 
 
 def _cpu_seconds(who: int) -> float:
@@ -93,12 +112,14 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.warmup):  # optimizer state allocated, allocator warm
         train_step(i)
     folder = Path(tempfile.mkdtemp(prefix="async-bench-", dir=args.dir))
-    mode, _, writer = args.mode.partition(":")
+    spec, _, budget = args.mode.partition("@")
+    mode, _, writer = spec.partition(":")
     mgr: Any = None
     if mode in ("copy", "overlap"):
         from ckptstore import CheckpointManager
 
-        options: dict[str, Any] = {"staging": mode, "max_host_bytes": args.max_host_mib * MiB}
+        options: dict[str, Any] = {"staging": mode,
+                                   "max_host_bytes": int(budget or args.max_host_mib) * MiB}
         if writer:
             options["async_writer"] = writer
         if args.workers:
@@ -155,14 +176,15 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
         infos = [h.wait() for h in handles]
         durable = [i.seconds for i in infos]
         waits = [i.guard_wait_seconds for i in infos]
+        writer_rss = _writer_private_peak()
         mgr.close()
-        writer_rss = _children_maxrss()
     else:
         for key, (fut, t1) in enumerate(pending_dcp):
             fut.result()
             durable.append(done_at.get(key, time.perf_counter()) - t1)
     total = time.perf_counter() - t_loop
     cpu = _cpu_seconds(resource.RUSAGE_SELF) - cpu0 + _cpu_seconds(resource.RUSAGE_CHILDREN)
+    # (the writer process's CPU time counts once it has exited: mgr.close() above)
     rss1 = _maxrss()
     # a guard waits in the first step after its save (that step's optimizer.step() runs only
     # once every tensor it changes is staged): the wait is the save's stall, not the step's
@@ -196,6 +218,8 @@ def round_figures(r: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
             "guard_ms": _mean(waits[1:] or waits),
             "infl_mean": _mean(busy) / base_step_ms - 1 if busy else float("nan"),
             "infl_p95": _p95(busy) / base_step_ms - 1 if busy else float("nan"),
+            "infl_own": _mean(busy) / _mean(r["idle_step_ms"]) - 1
+            if busy and r["idle_step_ms"] else float("nan"),
             "busy_n": len(busy), "step_ms": _mean(r["idle_step_ms"] + busy),
             "rss_mib": r["extra_rss_bytes"] / MiB, "writer_rss_mib": r["writer_rss_bytes"] / MiB,
             "durable_s": _mean(r["durable_s"]), "loop_s": r["loop_s"],
@@ -285,8 +309,9 @@ def main() -> None:
           f"torch threads 1, {os.cpu_count()} cores, {args.rounds} round(s), "
           f"load average at the end {load:.1f}; median (min..max) over rounds")
     print("| mode | step | stall: call + guard wait | inflation mean | inflation p95 "
-          "| busy steps | extra RSS (writer proc) | call -> durable | CPU per save |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| inflation vs own idle steps | busy steps | peak extra RSS | call -> durable "
+          "| CPU per save |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in modes:
         f = figures[mode]
         if not f:
@@ -296,14 +321,15 @@ def main() -> None:
             return _cell([x[name] for x in f], fmt, scale)
 
         if mode == "none":
-            print(f"| none | {col('step_ms', '.0f')} ms | - | - | - | - | "
+            print(f"| none | {col('step_ms', '.0f')} ms | - | - | - | - | - | "
                   f"{col('rss_mib', '.0f')} MiB | - | - |")
             continue
-        writer = (f" ({col('writer_rss_mib', '.0f')})"
+        writer = (f" + {col('writer_rss_mib', '.0f')} MiB writer"
                   if any(x["writer_rss_mib"] for x in f) else "")
         print(f"| {mode} | {col('step_ms', '.0f')} ms | {col('stall_ms', '.0f')} ms = "
               f"{col('call_ms', '.0f')} + {col('guard_ms', '.0f')} | "
               f"{col('infl_mean', '+.0%')} | {col('infl_p95', '+.0%')} | "
+              f"{col('infl_own', '+.0%')} | "
               f"{col('busy_n', '.0f')} | {col('rss_mib', '.0f')} MiB{writer} | "
               f"{col('durable_s', '.2f')} s | {col('cpu_per_save_s', '.2f')} s |")
 

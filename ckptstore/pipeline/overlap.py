@@ -165,14 +165,18 @@ class Turns:
         self.n = n
         self._busy = 0
         self._copies_waiting = 0
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        # one waiter is woken per release (not every thread of the pool: each wake-up takes
+        # the interpreter lock, which the training thread needs too)
+        self._copy_turn = threading.Condition(lock)
+        self._write_turn = threading.Condition(lock)
 
     @contextmanager
     def copy(self) -> Iterator[None]:
-        with self._cond:
+        with self._copy_turn:
             self._copies_waiting += 1
             while self._busy >= self.n:
-                self._cond.wait()
+                self._copy_turn.wait()
             self._copies_waiting -= 1
             self._busy += 1
         try:
@@ -182,9 +186,9 @@ class Turns:
 
     @contextmanager
     def write(self) -> Iterator[None]:
-        with self._cond:
+        with self._write_turn:
             while self._busy >= self.n or self._copies_waiting:
-                self._cond.wait()
+                self._write_turn.wait()
             self._busy += 1
         try:
             yield
@@ -192,9 +196,12 @@ class Turns:
             self._release()
 
     def _release(self) -> None:
-        with self._cond:
+        with self._copy_turn:
             self._busy -= 1
-            self._cond.notify_all()
+            if self._copies_waiting:
+                self._copy_turn.notify()
+            else:
+                self._write_turn.notify()
 
 
 class Overlap:
