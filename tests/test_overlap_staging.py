@@ -249,3 +249,44 @@ def test_sigkill_during_overlapped_save_leaves_no_checkpoint(tmp_path):
     assert [c.name for c in repo.list()] == ["base"]
     assert not repo.exists("big") and repo.verify("base").ok
     repo.close()
+
+
+def test_turns_let_one_thread_work_and_copies_go_first():
+    import threading
+
+    from ckptstore.pipeline.overlap import Turns
+
+    turns = Turns(1)
+    order: list[str] = []
+    working = []
+    held = threading.Event()
+    release = threading.Event()
+
+    def holder():
+        with turns.write():
+            held.set()
+            release.wait(5)
+
+    def job(kind: str, started: threading.Event):
+        started.set()
+        with getattr(turns, kind)():
+            working.append(kind)
+            assert len(working) == 1  # never two at once
+            order.append(kind)
+            working.remove(kind)
+
+    h = threading.Thread(target=holder)
+    h.start()
+    assert held.wait(5)
+    threads = []
+    for kind in ("write", "write", "copy"):  # the copy asks last
+        started = threading.Event()
+        t = threading.Thread(target=job, args=(kind, started))
+        t.start()
+        assert started.wait(5)
+        time.sleep(0.05)  # it waits for its turn now
+        threads.append(t)
+    release.set()
+    for t in [h, *threads]:
+        t.join(5)
+    assert order == ["copy", "write", "write"]
