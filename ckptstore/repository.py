@@ -175,9 +175,9 @@ class CheckpointStore:
     `workers` sets the threads of saves and restores alike; by default a save uses 8 and a
     restore `reader.default_load_workers()` (two per core, 4 to 8). A save that runs beside
     training (`save_async`) works on `background_workers` threads at once (default 1: one
-    core; raise it for S3, whose requests mostly wait); `async_writer="process"` moves the
-    writes of overlapped saves into a writer process (local folders only; see
-    docs/training.md).
+    core), while up to `background_io` more wait in writes (default 4: fsyncs, S3
+    requests); `async_writer="process"` moves the writes of overlapped saves into a writer
+    process (local folders only). See docs/training.md, "Overlapped async saves".
 
     `hash` chooses, when the repository is created, how chunks are named: "xxh3-128" (the
     default; detects accidents) or "sha256-128" (a writer without the manifest cannot forge
@@ -191,7 +191,7 @@ class CheckpointStore:
                  max_inflight_bytes: int | None = None, hash: str | None = None,
                  staging: str = "copy", max_host_bytes: int | None = None,
                  async_writer: str = "thread", background_workers: int = 1,
-                 **store_options: Any) -> None:
+                 background_io: int = 4, **store_options: Any) -> None:
         check_staging(staging, max_host_bytes)
         #: defaults of `save_async` (see there)
         self.staging = staging
@@ -210,7 +210,8 @@ class CheckpointStore:
             compression=codec_option(compression),
             workers=defaults.workers if workers is None else workers,
             max_inflight_bytes=max_inflight_bytes or defaults.max_inflight_bytes,
-            background_workers=background_workers, async_writer=async_writer)
+            background_workers=background_workers, background_io=background_io,
+            async_writer=async_writer)
         check_async_writer(async_writer, self.store)
         load_defaults = LoadOptions()
         self.load_options = LoadOptions(
@@ -592,8 +593,7 @@ class CheckpointStore:
                         else:
                             options = overlap_options(options, max_host_bytes)
                             request, overlap = self._overlap_request(
-                                request, state, set(copy_keys), options,
-                                options.background_workers)
+                                request, state, set(copy_keys), options)
             except BaseException:
                 lease.release()
                 raise
@@ -623,8 +623,7 @@ class CheckpointStore:
             return handle
 
     def _overlap_request(self, request: SaveRequest, state: Any, copy_keys: set[str],
-                         options: SaveOptions, writers: int
-                         ) -> tuple[SaveRequest, Overlap]:
+                         options: SaveOptions) -> tuple[SaveRequest, Overlap]:
         """The request of an overlapped save: numpy arrays and `copy_keys` copied now, every
         other leaf left on the caller's memory and tracked by an Overlap."""
         objects = flatten_arrays(state)
@@ -643,7 +642,7 @@ class CheckpointStore:
             leaves.append(leaf)
             sources.append(obj)
         self._pool = staging_pool(self._pool, self.store, options)
-        overlap = Overlap(leaves, sources, self._pool, writers)
+        overlap = Overlap(leaves, sources, self._pool)
         return replace(request, leaves=leaves), overlap
 
     def wait(self) -> None:

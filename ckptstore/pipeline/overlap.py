@@ -49,7 +49,8 @@ from .writer_process import SharedSlot, WriterProcess
 STAGING_MODES = ("copy", "overlap")
 ASYNC_WRITERS = ("thread", "process")
 #: An overlapped save's writer runs up to this many threads: `background_workers` of them
-#: work at once (Turns), the others hold a staged block and wait for their turn to write it
+#: work at once and `background_io` wait in writes (concurrency.Turns), the others hold a
+#: staged block and wait for their turn to write it
 MAX_OVERLAP_THREADS = 32
 
 
@@ -66,8 +67,9 @@ def overlap_options(options: SaveOptions, max_host_bytes: int | None) -> SaveOpt
     staging slot besides its working threads, so that copies fill every free slot at once."""
     budget = max_host_bytes or options.max_inflight_bytes
     slots = budget // min(options.chunk_bytes, budget)
-    return replace(options, max_inflight_bytes=budget,
-                   workers=min(MAX_OVERLAP_THREADS, slots + options.background_workers))
+    threads = slots + options.background_workers + options.background_io
+    return replace(options, max_inflight_bytes=budget, background=True,
+                   workers=min(MAX_OVERLAP_THREADS, threads))
 
 
 def _version_source(obj: Any) -> Any:
@@ -127,7 +129,7 @@ def staging_pool(current: StagingPool | None, store: Store, options: SaveOptions
     """The pool an overlapped save with `options` uses: `current` if it fits, else a new
     one (and `current` is closed)."""
     slot = min(options.chunk_bytes, options.max_inflight_bytes)
-    threads = options.background_workers if options.async_writer == "process" else None
+    threads = options.background_io if options.async_writer == "process" else None
     if current is not None and current.slot_bytes == slot and threads == (
             None if current.sink is None else current.sink.threads):
         return current
@@ -150,69 +152,13 @@ def check_async_writer(async_writer: str, store: Store) -> None:
                          f"{store.uri} is not one (use the default, \"thread\")")
 
 
-class Turns:
-    """At most `n` holders at once, and a copy always goes before a write that waits.
-
-    The writer of an overlapped save runs more threads than this (so that a copy into a free
-    slot never waits for a thread), but only `n` of them work at a time, whatever the work:
-    a copy into a slot, or hashing, compressing and writing a staged block. A background
-    save then takes no more than `n` cores from the training beside it, and copies, which a
-    guarded `optimizer.step()` waits for, are never queued behind writes."""
-
-    def __init__(self, n: int) -> None:
-        if n < 1:
-            raise ValueError("turns must be positive")
-        self.n = n
-        self._busy = 0
-        self._copies_waiting = 0
-        lock = threading.Lock()
-        # one waiter is woken per release (not every thread of the pool: each wake-up takes
-        # the interpreter lock, which the training thread needs too)
-        self._copy_turn = threading.Condition(lock)
-        self._write_turn = threading.Condition(lock)
-
-    @contextmanager
-    def copy(self) -> Iterator[None]:
-        with self._copy_turn:
-            self._copies_waiting += 1
-            while self._busy >= self.n:
-                self._copy_turn.wait()
-            self._copies_waiting -= 1
-            self._busy += 1
-        try:
-            yield
-        finally:
-            self._release()
-
-    @contextmanager
-    def write(self) -> Iterator[None]:
-        with self._write_turn:
-            while self._busy >= self.n or self._copies_waiting:
-                self._write_turn.wait()
-            self._busy += 1
-        try:
-            yield
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        with self._copy_turn:
-            self._busy -= 1
-            if self._copies_waiting:
-                self._copy_turn.notify()
-            else:
-                self._write_turn.notify()
-
-
 class Overlap:
     """The state of one overlapped save (module docstring). Thread-safe."""
 
-    def __init__(self, leaves: list[ArrayLeaf], objects: list[Any], pool: StagingPool,
-                 active: int = 1) -> None:
+    def __init__(self, leaves: list[ArrayLeaf], objects: list[Any], pool: StagingPool
+                 ) -> None:
         self.leaves = leaves
         self.pool = pool
-        #: how many of the writer's threads copy, hash or write at once (see Turns)
-        self.turns = Turns(active)
         #: where blobs are written when not through the store itself (a writer process)
         self.sink = pool.sink
         self.sources = [_version_source(o) for o in objects]
