@@ -18,6 +18,8 @@ every round so that a burst of load from elsewhere hits one round, not one mode:
 * <mode>:process   ... with async_writer="process" (written by a writer process from the
                    shared staging slots; overlap only)
 * <mode>@N         ... with max_host_bytes = N MiB (e.g. overlap:process@512)
+* <mode>+ioN, +wN  ... with background_io = N, background_workers = N (e.g. copy+w8+io0,
+                   what every async save did before issue 13)
 * dcp              torch.distributed.checkpoint.async_save (gloo group of world size 1)
 
 Per mode (median over rounds, spread = min..max over rounds): the stall per save, i.e. the
@@ -28,7 +30,11 @@ run, minus one, and the mean over the mean of the same run's steps without a sav
 (interleaved in time with the busy ones, so less exposed to load from elsewhere); peak
 extra RSS (ru_maxrss growth from after the warm-up to the end, plus the writer process's
 peak RSS less the shared slots already counted); the time from the call until the
-checkpoint is durable (committed); the run's CPU time beyond the `none` run's, per save.
+checkpoint is durable (committed); the CPU time of the save per save (the process's and
+its writer's, less the training thread's, less the same for the `none` run). Two figures
+resist load from elsewhere (a shared machine): the training thread's CPU time per step
+while a save runs over its CPU time per step otherwise (what the save's memory traffic
+costs the step; waits are not in it), and the save's CPU time.
 """
 
 from __future__ import annotations
@@ -112,7 +118,8 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.warmup):  # optimizer state allocated, allocator warm
         train_step(i)
     folder = Path(tempfile.mkdtemp(prefix="async-bench-", dir=args.dir))
-    spec, _, budget = args.mode.partition("@")
+    spec, *tweaks = args.mode.split("+")
+    spec, _, budget = spec.partition("@")
     mode, _, writer = spec.partition(":")
     mgr: Any = None
     if mode in ("copy", "overlap"):
@@ -124,6 +131,9 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
             options["async_writer"] = writer
         if args.workers:
             options["workers"] = args.workers
+        for tweak in tweaks:  # +io4: background_io=4, +w2: background_workers=2
+            name = "background_io" if tweak.startswith("io") else "background_workers"
+            options[name] = int(tweak.lstrip("iow"))
         mgr = CheckpointManager(folder, async_save=True, **options)
         # a first tiny save starts what a save needs once (the writer process, if any)
         mgr.repo.save_async("warm", {"x": torch.ones(1)}).wait()
@@ -138,6 +148,8 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     calls: list[float] = []
     busy_steps: list[float] = []  # guard waits excluded
     idle_steps: list[float] = []
+    busy_cpu: list[float] = []  # CPU time of the training thread per step (no waits in it)
+    idle_cpu: list[float] = []
     handles: list[Any] = []
     first_busy: list[int] = []  # index in busy_steps of the first step after each save
     dcp_future: Any = None
@@ -149,10 +161,11 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
             busy = bool(handles) and not handles[-1].done()
         else:
             busy = dcp_future is not None and not dcp_future.done()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         train_step(step)
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         (busy_steps if busy else idle_steps).append(dt)
+        (busy_cpu if busy else idle_cpu).append(dc)
         if mode != "none" and step % args.every == 0:
             t1 = time.perf_counter()
             if mgr is not None:
@@ -202,7 +215,10 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
             "busy_step_ms": [s * 1e3 for s in busy_steps],
             "idle_step_ms": [s * 1e3 for s in idle_steps],
             "durable_s": durable, "extra_rss_bytes": rss1 - rss0,
-            "writer_rss_bytes": writer_rss, "loop_s": total, "cpu_s": cpu}
+            "writer_rss_bytes": writer_rss, "loop_s": total, "cpu_s": cpu,
+            "busy_cpu_ms": [c * 1e3 for c in busy_cpu],
+            "idle_cpu_ms": [c * 1e3 for c in idle_cpu],
+            "train_cpu_s": sum(busy_cpu) + sum(idle_cpu)}
 
 
 def round_figures(r: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
@@ -223,7 +239,10 @@ def round_figures(r: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
             "busy_n": len(busy), "step_ms": _mean(r["idle_step_ms"] + busy),
             "rss_mib": r["extra_rss_bytes"] / MiB, "writer_rss_mib": r["writer_rss_bytes"] / MiB,
             "durable_s": _mean(r["durable_s"]), "loop_s": r["loop_s"],
-            "cpu_per_save_s": (r["cpu_s"] - base["cpu_s"]) / saves}
+            "step_cpu_own": _mean(r["busy_cpu_ms"]) / _mean(r["idle_cpu_ms"]) - 1
+            if r["busy_cpu_ms"] and r["idle_cpu_ms"] else float("nan"),
+            "cpu_per_save_s": ((r["cpu_s"] - r["train_cpu_s"])
+                               - (base["cpu_s"] - base["train_cpu_s"])) / saves}
 
 
 def _child(args: argparse.Namespace, mode: str) -> dict[str, Any] | None:
@@ -309,9 +328,9 @@ def main() -> None:
           f"torch threads 1, {os.cpu_count()} cores, {args.rounds} round(s), "
           f"load average at the end {load:.1f}; median (min..max) over rounds")
     print("| mode | step | stall: call + guard wait | inflation mean | inflation p95 "
-          "| inflation vs own idle steps | busy steps | peak extra RSS | call -> durable "
-          "| CPU per save |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| inflation vs own idle steps | step CPU vs own idle steps | busy steps "
+          "| peak extra RSS | call -> durable | save CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode in modes:
         f = figures[mode]
         if not f:
@@ -321,7 +340,7 @@ def main() -> None:
             return _cell([x[name] for x in f], fmt, scale)
 
         if mode == "none":
-            print(f"| none | {col('step_ms', '.0f')} ms | - | - | - | - | - | "
+            print(f"| none | {col('step_ms', '.0f')} ms | - | - | - | - | - | - | "
                   f"{col('rss_mib', '.0f')} MiB | - | - |")
             continue
         writer = (f" + {col('writer_rss_mib', '.0f')} MiB writer"
@@ -329,7 +348,7 @@ def main() -> None:
         print(f"| {mode} | {col('step_ms', '.0f')} ms | {col('stall_ms', '.0f')} ms = "
               f"{col('call_ms', '.0f')} + {col('guard_ms', '.0f')} | "
               f"{col('infl_mean', '+.0%')} | {col('infl_p95', '+.0%')} | "
-              f"{col('infl_own', '+.0%')} | "
+              f"{col('infl_own', '+.0%')} | {col('step_cpu_own', '+.0%')} | "
               f"{col('busy_n', '.0f')} | {col('rss_mib', '.0f')} MiB{writer} | "
               f"{col('durable_s', '.2f')} s | {col('cpu_per_save_s', '.2f')} s |")
 
