@@ -86,6 +86,19 @@ def _address(data: Buffer) -> tuple[int, int]:
     return int(view.ctypes.data), view.nbytes
 
 
+class _Connection:
+    """One started writer: its process, the parent's end of the socket, and the requests
+    sent to it that it has not answered yet."""
+
+    def __init__(self, sock: socket.socket, proc: subprocess.Popen[bytes]) -> None:
+        self.sock = sock
+        self.proc = proc
+        self.pending: dict[int, cf.Future[None]] = {}
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
 class WriterProcess:
     """The parent's end: `put()` and `sync()` run in the writer process; thread-safe (many
     requests may be in flight). Shared slots are registered with `add_slot()`."""
@@ -93,54 +106,59 @@ class WriterProcess:
     def __init__(self, root: Path, threads: int = 1) -> None:
         self.root = root
         self.threads = threads
-        self._lock = threading.Lock()  # the socket's send side, the slot list, the process
-        self._pending: dict[int, cf.Future[None]] = {}
+        self._lock = threading.Lock()  # the connection, its pending requests, the slots
         self._ids = itertools.count()
         self._slots: list[SharedSlot] = []
-        self._sock: socket.socket | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: _Connection | None = None
         self._closed = False
 
     # ---------------------------------------------------------------- the process
-    def _started(self) -> socket.socket:
-        """The socket of a live writer, started (and given every slot) if needed. Called
-        with the lock held."""
+    def _started(self) -> _Connection:
+        """A live writer, started (and given every slot) if need be. Called with the lock
+        held."""
         if self._closed:
             raise StoreError("the writer process was closed")
-        if self._sock is not None and self._proc is not None and self._proc.poll() is None:
-            return self._sock
+        if self._conn is not None and self._conn.alive():
+            return self._conn
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         package_root = str(Path(__file__).resolve().parents[2])
         path = os.environ.get("PYTHONPATH")
         env = dict(os.environ, PYTHONPATH=package_root + (os.pathsep + path if path else ""))
         try:
-            self._proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD_MAIN,
                  str(theirs.fileno()), str(self.root), str(self.threads)],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, env=env)
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
-        self._sock = ours
-        threading.Thread(target=self._read_replies, args=(ours, self._proc),
+        conn = self._conn = _Connection(ours, proc)
+        threading.Thread(target=self._read_replies, args=(conn,),
                          name="ckpt-writer-replies", daemon=True).start()
         for slot in self._slots:  # a restarted writer maps every slot again
-            self._send_map(ours, slot)
-        return ours
+            self._send_map(conn, slot)
+        return conn
 
     @staticmethod
-    def _send_map(sock: socket.socket, slot: SharedSlot) -> None:
+    def _send_map(conn: _Connection, slot: SharedSlot) -> None:
         line = json.dumps({"op": "map", "slot": slot.index, "nbytes": slot.nbytes}) + "\n"
-        socket.send_fds(sock, [line.encode()], [slot.fd])
+        try:
+            socket.send_fds(conn.sock, [line.encode()], [slot.fd])
+        except OSError:
+            pass  # the writer died: its requests fail (see _read_replies)
 
-    def _read_replies(self, sock: socket.socket, proc: subprocess.Popen[bytes]) -> None:
-        """Resolve requests as the writer answers; on end of stream fail what is left."""
-        reader = sock.makefile("rb")
+    def _read_replies(self, conn: _Connection) -> None:
+        """Resolve `conn`'s requests as its writer answers; when its stream ends, fail what
+        is left (requests to a writer started since are not touched)."""
+        reader = conn.sock.makefile("rb")
         try:
             for line in reader:
                 reply = json.loads(line)
                 with self._lock:
-                    fut = self._pending.pop(reply["id"], None)
+                    fut = conn.pending.pop(reply["id"], None)
                 if fut is None:
                     continue
                 err = reply.get("error")
@@ -153,42 +171,40 @@ class WriterProcess:
                     fut.set_exception(exc)
         except (OSError, ValueError):
             pass
-        code = proc.poll()
-        if code is None:
-            try:
-                code = proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                code = None
         with self._lock:
-            pending, self._pending = self._pending, {}
-            if self._sock is sock:
-                self._sock = None
+            pending, conn.pending = conn.pending, {}
+            if self._conn is conn:
+                self._conn = None
+        try:
+            code = conn.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
         for fut in pending.values():
             fut.set_exception(StoreError(f"the writer process ended (exit status {code}) "
                                          "before it finished writing; nothing was committed"))
         reader.close()
-        sock.close()
+        conn.sock.close()
 
     # ---------------------------------------------------------------- requests
     def add_slot(self, slot: SharedSlot) -> None:
         """Register a shared slot and give it to the writer (started if need be)."""
         with self._lock:
-            sock = self._started()
+            conn = self._started()
             self._slots.append(slot)
-            self._send_map(sock, slot)
+            self._send_map(conn, slot)
 
     def _request(self, message: dict[str, Any], payload: Buffer | None = None) -> None:
         fut: cf.Future[None] = cf.Future()
         with self._lock:
-            sock = self._started()
+            conn = self._started()
             message["id"] = rid = next(self._ids)
-            self._pending[rid] = fut
+            conn.pending[rid] = fut
             try:
-                sock.sendall((json.dumps(message) + "\n").encode())
+                conn.sock.sendall((json.dumps(message) + "\n").encode())
                 if payload is not None:
-                    sock.sendall(payload)
+                    conn.sock.sendall(payload)
             except OSError:
-                pass  # the writer died: the reply reader fails the request
+                pass  # the writer died: its reply reader fails the request
         fut.result()
 
     def put(self, key: str, data: Buffer) -> None:
@@ -210,26 +226,25 @@ class WriterProcess:
 
     @property
     def pid(self) -> int | None:
-        """The writer's process id while one runs (tests kill it)."""
-        proc = self._proc
-        return proc.pid if proc is not None and proc.poll() is None else None
+        """The writer's process id while one runs."""
+        conn = self._conn
+        return conn.proc.pid if conn is not None and conn.alive() else None
 
     def close(self) -> None:
         """Stop the writer (it finishes the request in hand) and wait for it."""
         with self._lock:
             self._closed = True
-            sock, proc = self._sock, self._proc
-        if sock is not None:
+            conn = self._conn
+        if conn is not None:
             try:
-                sock.shutdown(socket.SHUT_WR)
+                conn.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
-        if proc is not None:
             try:
-                proc.wait(timeout=30)
+                conn.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                conn.proc.kill()
+                conn.proc.wait()
         for slot in self._slots:
             slot.close()
 
