@@ -175,9 +175,10 @@ class CheckpointStore:
     `workers` sets the threads of saves and restores alike; by default a save uses 8 and a
     restore `reader.default_load_workers()` (two per core, 4 to 8). A save that runs beside
     training (`save_async`) works on `background_workers` threads at once (default 1: one
-    core), while up to `background_io` more wait in writes (default 4: fsyncs, S3
-    requests); `async_writer="process"` moves the writes of overlapped saves into a writer
-    process (local folders only). See docs/training.md, "Overlapped async saves".
+    core); `background_io` more may wait in writes meanwhile (default 0: raise it for S3,
+    or where the trainer leaves cores idle); `async_writer="process"` moves the writes of
+    overlapped saves into a writer process (local folders only). See docs/training.md,
+    "Overlapped async saves".
 
     `hash` chooses, when the repository is created, how chunks are named: "xxh3-128" (the
     default; detects accidents) or "sha256-128" (a writer without the manifest cannot forge
@@ -191,7 +192,7 @@ class CheckpointStore:
                  max_inflight_bytes: int | None = None, hash: str | None = None,
                  staging: str = "copy", max_host_bytes: int | None = None,
                  async_writer: str = "thread", background_workers: int = 1,
-                 background_io: int = 4, **store_options: Any) -> None:
+                 background_io: int = 0, **store_options: Any) -> None:
         check_staging(staging, max_host_bytes)
         #: defaults of `save_async` (see there)
         self.staging = staging

@@ -129,7 +129,8 @@ def staging_pool(current: StagingPool | None, store: Store, options: SaveOptions
     """The pool an overlapped save with `options` uses: `current` if it fits, else a new
     one (and `current` is closed)."""
     slot = min(options.chunk_bytes, options.max_inflight_bytes)
-    threads = options.background_io if options.async_writer == "process" else None
+    # the writer's threads: one per write that may be in flight (Turns)
+    threads = max(1, options.background_io) if options.async_writer == "process" else None
     if current is not None and current.slot_bytes == slot and threads == (
             None if current.sink is None else current.sink.threads):
         return current

@@ -61,7 +61,7 @@ class SaveOptions:
     max_inflight_bytes: int = 512 * MiB
     hash: HashAlgorithm = XXH3_128  # the repository's: names every chunk
     background_workers: int = 1
-    background_io: int = 4
+    background_io: int = 0
     #: who writes the blobs of an overlapped save: "thread" (threads of this process) or
     #: "process" (a writer process sharing the staging slots: pipeline/writer_process.py)
     async_writer: str = "thread"
