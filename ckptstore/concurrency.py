@@ -35,28 +35,35 @@ class Turns:
     A thread works inside `copy()` (staging a block: a guarded `optimizer.step()` waits for
     copies, so a copy goes before any write that waits) or `write()` (hashing, compressing,
     writing). Inside either, `io()` hands the turn back for a blocking write (a file's fsync
-    mostly waits for the disk), so that another thread works meanwhile; at most `io` threads
-    are in `io()` at once. Each release wakes one waiter, not every thread of the pool: each
-    wake-up takes the interpreter lock, which the training thread needs too."""
+    mostly waits for the disk) if an io slot is free, so that another thread works
+    meanwhile. `boosted()` lends more turns and io slots for a while: while the trainer
+    waits for the save (a guard), its core is free. Each release wakes one waiter, not every
+    thread of the pool: each wake-up takes the interpreter lock, which the training thread
+    needs too."""
 
     def __init__(self, n: int, io: int = 0) -> None:
         if n < 1 or io < 0:
             raise ValueError("turns must be positive and io slots non-negative")
         self.n = n
         self.io_slots = io
+        self._extra = 0  # turns lent by boosted()
+        self._extra_io = 0
         self._busy = 0
+        self._io_busy = 0
         self._copies_waiting = 0
         lock = threading.Lock()
         self._copy_turn = threading.Condition(lock)
         self._write_turn = threading.Condition(lock)
-        self._io = threading.BoundedSemaphore(io) if io else None
         self._holding = threading.local()  # this thread holds a turn
+
+    def _full(self) -> bool:
+        return self._busy >= self.n + self._extra
 
     @contextmanager
     def copy(self) -> Iterator[None]:
         with self._copy_turn:
             self._copies_waiting += 1
-            while self._busy >= self.n:
+            while self._full():
                 self._copy_turn.wait()
             self._copies_waiting -= 1
             self._busy += 1
@@ -65,7 +72,7 @@ class Turns:
     @contextmanager
     def write(self) -> Iterator[None]:
         with self._write_turn:
-            while self._busy >= self.n or self._copies_waiting:
+            while self._full() or self._copies_waiting:
                 self._write_turn.wait()
             self._busy += 1
         yield from self._held()
@@ -81,16 +88,38 @@ class Turns:
 
     @contextmanager
     def io(self) -> Iterator[None]:
-        """A blocking write: the turn this thread holds (if any) is given back first, unless
-        there are no io slots (then the write keeps the turn)."""
-        if self._io is None:
+        """A blocking write: if an io slot is free, the turn this thread holds is given back
+        for its duration; otherwise the write keeps the turn."""
+        with self._copy_turn:
+            slot = self._io_busy < self.io_slots + self._extra_io
+            if slot:
+                self._io_busy += 1
+        if not slot:
             yield
             return
         if getattr(self._holding, "turn", False):
             self._holding.turn = False
             self._release()
-        with self._io:
+        try:
             yield
+        finally:
+            with self._copy_turn:
+                self._io_busy -= 1
+
+    @contextmanager
+    def boosted(self, workers: int, io: int) -> Iterator[None]:
+        """Lend `workers` more turns and `io` more io slots until the block ends."""
+        with self._copy_turn:
+            self._extra += workers
+            self._extra_io += io
+            self._copy_turn.notify_all()
+            self._write_turn.notify_all()
+        try:
+            yield
+        finally:
+            with self._copy_turn:
+                self._extra -= workers
+                self._extra_io -= io
 
     def _release(self) -> None:
         with self._copy_turn:

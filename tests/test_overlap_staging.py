@@ -334,3 +334,30 @@ def test_turns_hand_the_turn_back_for_blocking_writes():
     assert got.wait(2)  # the writer waits on its write: another thread may work meanwhile
     leave_io.set()
     t.join(5)
+
+
+def test_turns_boosted_lends_a_turn_while_the_trainer_waits():
+    import threading
+
+    from ckptstore.concurrency import Turns
+
+    turns = Turns(1)
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def holder():
+        with turns.write():
+            inside.set()
+            leave.wait(5)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert inside.wait(5)
+    second = threading.Event()
+    w = threading.Thread(target=lambda: [second.set() for _ in [turns.write().__enter__()]])
+    w.start()
+    assert not second.wait(0.2)  # one turn, taken
+    with turns.boosted(1, 0):
+        assert second.wait(5)  # the lent turn lets it in
+    leave.set()
+    t.join(5)

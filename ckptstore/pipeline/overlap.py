@@ -33,12 +33,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from ..concurrency import Turns
 from ..errors import SourceChangedError
 from ..format.leaf import ArrayLeaf
 from ..stores.base import Store
@@ -52,6 +53,8 @@ ASYNC_WRITERS = ("thread", "process")
 #: work at once and `background_io` wait in writes (concurrency.Turns), the others hold a
 #: staged block and wait for their turn to write it
 MAX_OVERLAP_THREADS = 32
+#: writes in flight a save may add while a guarded step waits for it
+GUARD_IO = 4
 
 
 def check_staging(staging: str, max_host_bytes: int | None) -> None:
@@ -129,8 +132,9 @@ def staging_pool(current: StagingPool | None, store: Store, options: SaveOptions
     """The pool an overlapped save with `options` uses: `current` if it fits, else a new
     one (and `current` is closed)."""
     slot = min(options.chunk_bytes, options.max_inflight_bytes)
-    # the writer's threads: one per write that may be in flight (Turns)
-    threads = max(1, options.background_io) if options.async_writer == "process" else None
+    # the writer's threads: one per write that may be in flight (Turns, guards' boosts)
+    threads = (options.background_workers + options.background_io + 1 + GUARD_IO
+               if options.async_writer == "process" else None)
     if current is not None and current.slot_bytes == slot and threads == (
             None if current.sink is None else current.sink.threads):
         return current
@@ -162,6 +166,9 @@ class Overlap:
         self.pool = pool
         #: where blobs are written when not through the store itself (a writer process)
         self.sink = pool.sink
+        #: the writer's Turns, once it runs: a guard lends it the trainer's core while the
+        #: trainer waits
+        self.turns: Turns | None = None
         self.sources = [_version_source(o) for o in objects]
         self.versions = [None if s is None else int(s._version) for s in self.sources]
         self.events = [threading.Event() for _ in leaves]
@@ -261,8 +268,12 @@ class Guard:
             if not pending:
                 return
             t0 = time.perf_counter()
-            for e in pending:
-                e.wait()
+            turns = overlap.turns
+            # the trainer waits: its core is the save's meanwhile (one more worker, and
+            # writes in flight beside them)
+            with turns.boosted(1, GUARD_IO) if turns is not None else nullcontext():
+                for e in pending:
+                    e.wait()
             overlap.add_wait(time.perf_counter() - t0)
 
         self._handle = optimizer.register_step_pre_hook(hook)

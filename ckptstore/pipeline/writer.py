@@ -389,6 +389,7 @@ class CheckpointWriter:
                       if not plan.packed for c, start, stop in plan.local_chunks(leaf)]
             groups = list(_pack_groups(packed, leaves, opts.chunk_bytes))
             if self.overlap is not None:  # blocks to copy per leaf, known before any job runs
+                self.overlap.turns = self.turns
                 counts: dict[int, int] = defaultdict(int)
                 for i in [b[0] for b in blocks] + [i for group in groups for i in group]:
                     counts[i] += 1
