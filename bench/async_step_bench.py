@@ -3,7 +3,7 @@
 
     python bench/async_step_bench.py --layers 10            # the docs/performance.md run
     python bench/async_step_bench.py --quick                # one short round: a sanity run
-    python bench/async_step_bench.py --modes none,overlap,overlap:process,dcp --rounds 5
+    python bench/async_step_bench.py --modes none,overlap:thread,overlap:process,dcp --rounds 5
 
 A fixed-seed MLP (`--layers` square layers of `--width`, AdamW; checkpoint = weights + two
 moments) trains on one thread (torch.set_num_threads(1): the other core is the
@@ -13,7 +13,8 @@ every round so that a burst of load from elsewhere hits one round, not one mode:
 
 * none             no checkpointing: the step time every other mode is compared with
 * copy             CheckpointManager(async_save=True, staging="copy")
-* overlap          the same with staging="overlap", max_host_bytes=--max-host-mib
+* overlap          the same with staging="overlap", max_host_bytes=--max-host-mib (written
+                   by a writer process: the default for local folders)
 * <mode>:thread    ... with async_writer="thread" (blobs written by a thread of the trainer)
 * <mode>:process   ... with async_writer="process" (written by a writer process from the
                    shared staging slots; overlap only)
@@ -53,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("none", "copy", "overlap", "overlap:process", "dcp")
+MODES = ("none", "copy", "overlap", "overlap:thread", "dcp")
 MiB = 1 << 20
 
 

@@ -176,9 +176,9 @@ class CheckpointStore:
     restore `reader.default_load_workers()` (two per core, 4 to 8). A save that runs beside
     training (`save_async`) works on `background_workers` threads at once (default 1: one
     core); `background_io` more may wait in writes meanwhile (default 0: raise it for S3,
-    or where the trainer leaves cores idle); `async_writer="process"` moves the writes of
-    overlapped saves into a writer process (local folders only). See docs/training.md,
-    "Overlapped async saves".
+    or where the trainer leaves cores idle). Overlapped saves into a local folder are
+    written by a writer process (`async_writer="auto"`, the default; "thread" keeps them in
+    this process, "process" insists). See docs/training.md, "Overlapped async saves".
 
     `hash` chooses, when the repository is created, how chunks are named: "xxh3-128" (the
     default; detects accidents) or "sha256-128" (a writer without the manifest cannot forge
@@ -191,7 +191,7 @@ class CheckpointStore:
                  compression: str | Codec | None = None, workers: int | None = None,
                  max_inflight_bytes: int | None = None, hash: str | None = None,
                  staging: str = "copy", max_host_bytes: int | None = None,
-                 async_writer: str = "thread", background_workers: int = 1,
+                 async_writer: str = "auto", background_workers: int = 1,
                  background_io: int = 0, **store_options: Any) -> None:
         check_staging(staging, max_host_bytes)
         #: defaults of `save_async` (see there)

@@ -194,3 +194,31 @@ def test_manager_with_the_writer_process_keeps_every_steps_values(tmp_path):
         for k, v in snap.items():
             assert torch.equal(loaded[k], v), (step, k)
     mgr.close()
+
+
+def test_auto_writes_overlapped_saves_to_local_folders_with_a_writer_process(tmp_path):
+    state = {"w": torch.randn(256, 256)}
+    before = set(writer_pids(os.getpid()))
+    threads = CheckpointStore(tmp_path / "t", async_writer="thread")
+    threads.save_async("a", state, staging="overlap").wait()
+    memory = CheckpointStore(f"memory://{os.getpid()}-auto")  # "auto": threads
+    memory.save_async("a", state, staging="overlap").wait()
+    assert set(writer_pids(os.getpid())) == before
+    local = CheckpointStore(tmp_path / "l")  # "auto": a writer process
+    local.save_async("a", state, staging="overlap").wait()
+    [writer] = set(writer_pids(os.getpid())) - before
+    for repo in (threads, memory, local):
+        assert_same(repo.load("a"), state)
+        repo.close()
+    assert wait_gone(writer)
+
+
+def test_a_dropped_store_stops_its_writer(tmp_path):
+    import gc
+
+    repo = CheckpointStore(tmp_path / "r")
+    repo.save_async("a", {"w": torch.randn(64, 64)}, staging="overlap").wait()
+    [writer] = writer_pids(os.getpid())
+    del repo  # never closed
+    gc.collect()
+    assert wait_gone(writer)

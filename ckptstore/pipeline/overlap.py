@@ -45,10 +45,10 @@ from ..format.leaf import ArrayLeaf
 from ..stores.base import Store
 from ..stores.local import LocalStore
 from .writer import SaveOptions
-from .writer_process import SharedSlot, WriterProcess
+from .writer_process import SharedSlot, WriterProcess, writer_process_available
 
 STAGING_MODES = ("copy", "overlap")
-ASYNC_WRITERS = ("thread", "process")
+ASYNC_WRITERS = ("auto", "thread", "process")
 #: An overlapped save's writer runs up to this many threads: `background_workers` of them
 #: work at once and `background_io` wait in writes (concurrency.Turns), the others hold a
 #: staged block and wait for their turn to write it
@@ -134,7 +134,7 @@ def staging_pool(current: StagingPool | None, store: Store, options: SaveOptions
     slot = min(options.chunk_bytes, options.max_inflight_bytes)
     # the writer's threads: one per write that may be in flight (Turns, guards' boosts)
     threads = (options.background_workers + options.background_io + 1 + GUARD_IO
-               if options.async_writer == "process" else None)
+               if uses_writer_process(options.async_writer, store) else None)
     if current is not None and current.slot_bytes == slot and threads == (
             None if current.sink is None else current.sink.threads):
         return current
@@ -154,7 +154,17 @@ def check_async_writer(async_writer: str, store: Store) -> None:
         raise ValueError(f"async_writer must be one of {ASYNC_WRITERS}, got {async_writer!r}")
     if async_writer == "process" and not isinstance(store, LocalStore):
         raise ValueError('async_writer="process" writes to local folders only; '
-                         f"{store.uri} is not one (use the default, \"thread\")")
+                         f"{store.uri} is not one (use \"auto\" or \"thread\")")
+    if async_writer == "process" and not writer_process_available():
+        raise ValueError('async_writer="process" needs Linux (memfd) and a Python executable')
+
+
+def uses_writer_process(async_writer: str, store: Store) -> bool:
+    """Whether overlapped saves into `store` are written by a writer process: "process",
+    or "auto" (the default) for a local folder where a writer process can run."""
+    if async_writer == "auto":
+        return isinstance(store, LocalStore) and writer_process_available()
+    return async_writer == "process"
 
 
 class Overlap:

@@ -62,9 +62,10 @@ class SaveOptions:
     hash: HashAlgorithm = XXH3_128  # the repository's: names every chunk
     background_workers: int = 1
     background_io: int = 0
-    #: who writes the blobs of an overlapped save: "thread" (threads of this process) or
+    #: who writes the blobs of an overlapped save: "thread" (threads of this process),
     #: "process" (a writer process sharing the staging slots: pipeline/writer_process.py)
-    async_writer: str = "thread"
+    #: or "auto" (a writer process for a local folder, else threads)
+    async_writer: str = "auto"
     background: bool = False
 
     def __post_init__(self) -> None:

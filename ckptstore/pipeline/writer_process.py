@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,12 @@ _RECV = 1 << 16
 _FDS_SPACE = socket.CMSG_SPACE(16 * array.array("i").itemsize)
 PARENT_POLL = 0.1  # seconds between the writer's checks that its parent is alive
 _CHILD_MAIN = "from ckptstore.pipeline.writer_process import main; main()"
+
+
+def writer_process_available() -> bool:
+    """Whether this platform can run a writer process (anonymous shared memory that can be
+    passed to another process, and a Python executable to start it with)."""
+    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and bool(sys.executable)
 
 
 class SharedSlot:
@@ -99,6 +106,53 @@ class _Connection:
         return self.proc.poll() is None
 
 
+def _read_replies(conn: _Connection, lock: threading.Lock,
+                  box: list[_Connection | None]) -> None:
+    """Resolve `conn`'s requests as its writer answers; when its stream ends, fail what is
+    left (requests to a writer started since are not touched)."""
+    reader = conn.sock.makefile("rb")
+    try:
+        for line in reader:
+            reply = json.loads(line)
+            with lock:
+                fut = conn.pending.pop(reply["id"], None)
+            if fut is None:
+                continue
+            err = reply.get("error")
+            if err is None:
+                fut.set_result(None)
+            else:
+                cls = _ERRORS.get(err["type"], StoreError)
+                exc = cls(f"writer process: {err['message']}")
+                exc.errno = err.get("errno")
+                fut.set_exception(exc)
+    except (OSError, ValueError):
+        pass
+    with lock:
+        pending, conn.pending = conn.pending, {}
+        if box[0] is conn:
+            box[0] = None
+    try:
+        code = conn.proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        code = None
+    for fut in pending.values():
+        fut.set_exception(StoreError(f"the writer process ended (exit status {code}) "
+                                     "before it finished writing; nothing was committed"))
+    reader.close()
+    conn.sock.close()
+
+
+def _stop(box: list[_Connection | None]) -> None:
+    """Tell the live writer to finish (its WriterProcess was dropped or the program ends)."""
+    conn = box[0]
+    if conn is not None:
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
 class WriterProcess:
     """The parent's end: `put()` and `sync()` run in the writer process; thread-safe (many
     requests may be in flight). Shared slots are registered with `add_slot()`."""
@@ -109,8 +163,19 @@ class WriterProcess:
         self._lock = threading.Lock()  # the connection, its pending requests, the slots
         self._ids = itertools.count()
         self._slots: list[SharedSlot] = []
-        self._conn: _Connection | None = None
+        # the live connection, in a box the reply reader and the finalizer share: neither
+        # keeps this object alive, and when it goes, its writer is told to stop
+        self._box: list[_Connection | None] = [None]
         self._closed = False
+        weakref.finalize(self, _stop, self._box)
+
+    @property
+    def _conn(self) -> _Connection | None:
+        return self._box[0]
+
+    @_conn.setter
+    def _conn(self, conn: _Connection | None) -> None:
+        self._box[0] = conn
 
     # ---------------------------------------------------------------- the process
     def _started(self) -> _Connection:
@@ -136,7 +201,7 @@ class WriterProcess:
         finally:
             theirs.close()
         conn = self._conn = _Connection(ours, proc)
-        threading.Thread(target=self._read_replies, args=(conn,),
+        threading.Thread(target=_read_replies, args=(conn, self._lock, self._box),
                          name="ckpt-writer-replies", daemon=True).start()
         for slot in self._slots:  # a restarted writer maps every slot again
             self._send_map(conn, slot)
@@ -149,41 +214,6 @@ class WriterProcess:
             socket.send_fds(conn.sock, [line.encode()], [slot.fd])
         except OSError:
             pass  # the writer died: its requests fail (see _read_replies)
-
-    def _read_replies(self, conn: _Connection) -> None:
-        """Resolve `conn`'s requests as its writer answers; when its stream ends, fail what
-        is left (requests to a writer started since are not touched)."""
-        reader = conn.sock.makefile("rb")
-        try:
-            for line in reader:
-                reply = json.loads(line)
-                with self._lock:
-                    fut = conn.pending.pop(reply["id"], None)
-                if fut is None:
-                    continue
-                err = reply.get("error")
-                if err is None:
-                    fut.set_result(None)
-                else:
-                    cls = _ERRORS.get(err["type"], StoreError)
-                    exc = cls(f"writer process: {err['message']}")
-                    exc.errno = err.get("errno")
-                    fut.set_exception(exc)
-        except (OSError, ValueError):
-            pass
-        with self._lock:
-            pending, conn.pending = conn.pending, {}
-            if self._conn is conn:
-                self._conn = None
-        try:
-            code = conn.proc.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            code = None
-        for fut in pending.values():
-            fut.set_exception(StoreError(f"the writer process ended (exit status {code}) "
-                                         "before it finished writing; nothing was committed"))
-        reader.close()
-        conn.sock.close()
 
     # ---------------------------------------------------------------- requests
     def add_slot(self, slot: SharedSlot) -> None:
