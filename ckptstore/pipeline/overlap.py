@@ -51,8 +51,10 @@ STAGING_MODES = ("copy", "overlap")
 ASYNC_WRITERS = ("auto", "thread", "process")
 #: An overlapped save's writer runs up to this many threads: `background_workers` of them
 #: work at once and `background_io` wait in writes (concurrency.Turns), the others hold a
-#: staged block and wait for their turn to write it
-MAX_OVERLAP_THREADS = 32
+#: staged block and wait for their turn to write it. A thread holds one block, so this also
+#: caps how far copies run ahead of writes: 128 blocks, 2 GiB at the default chunk size
+#: (threads that wait cost no CPU and little memory)
+MAX_OVERLAP_THREADS = 128
 #: writes in flight a save may add while a guarded step waits for it
 GUARD_IO = 4
 
