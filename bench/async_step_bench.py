@@ -97,7 +97,8 @@ def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def run_mode(args: argparse.Namespace) -> dict[str, Any]:
+def _trainer(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(model, optimizer, train_step) of the fixed-seed MLP, warmed up."""
     import torch
 
     torch.set_num_threads(1)
@@ -118,26 +119,40 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
 
     for i in range(args.warmup):  # optimizer state allocated, allocator warm
         train_step(i)
-    folder = Path(tempfile.mkdtemp(prefix="async-bench-", dir=args.dir))
-    spec, *tweaks = args.mode.split("+")
+    return model, opt, train_step
+
+
+def _manager(spec: str, args: argparse.Namespace, folder: Path) -> Any:
+    """The CheckpointManager of a ckptstore mode ("overlap:process@512+io4"), warmed up."""
+    import torch
+
+    from ckptstore import CheckpointManager
+
+    spec, *tweaks = spec.split("+")
     spec, _, budget = spec.partition("@")
     mode, _, writer = spec.partition(":")
+    options: dict[str, Any] = {"staging": mode,
+                               "max_host_bytes": int(budget or args.max_host_mib) * MiB}
+    if writer:
+        options["async_writer"] = writer
+    if args.workers:
+        options["workers"] = args.workers
+    for tweak in tweaks:  # +io4: background_io=4, +w2: background_workers=2
+        name = "background_io" if tweak.startswith("io") else "background_workers"
+        options[name] = int(tweak.lstrip("iow"))
+    mgr = CheckpointManager(folder, async_save=True, **options)
+    # a first tiny save starts what a save needs once (the writer process, if any)
+    mgr.repo.save_async("warm", {"x": torch.ones(1)}).wait()
+    return mgr
+
+
+def run_mode(args: argparse.Namespace) -> dict[str, Any]:
+    model, opt, train_step = _trainer(args)
+    folder = Path(tempfile.mkdtemp(prefix="async-bench-", dir=args.dir))
+    mode = args.mode.split("+")[0].partition("@")[0].partition(":")[0]
     mgr: Any = None
     if mode in ("copy", "overlap"):
-        from ckptstore import CheckpointManager
-
-        options: dict[str, Any] = {"staging": mode,
-                                   "max_host_bytes": int(budget or args.max_host_mib) * MiB}
-        if writer:
-            options["async_writer"] = writer
-        if args.workers:
-            options["workers"] = args.workers
-        for tweak in tweaks:  # +io4: background_io=4, +w2: background_workers=2
-            name = "background_io" if tweak.startswith("io") else "background_workers"
-            options[name] = int(tweak.lstrip("iow"))
-        mgr = CheckpointManager(folder, async_save=True, **options)
-        # a first tiny save starts what a save needs once (the writer process, if any)
-        mgr.repo.save_async("warm", {"x": torch.ones(1)}).wait()
+        mgr = _manager(args.mode, args, folder)
     elif mode == "dcp":
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
@@ -222,6 +237,110 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
             "train_cpu_s": sum(busy_cpu) + sum(idle_cpu)}
 
 
+def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
+    """Every mode in one process, taking turns: per cycle, each mode (in a rotated order)
+    saves once and trains `--every` steps (longer if its save is still running); `none`
+    only trains. Load from elsewhere then falls on every mode alike, at a granularity of
+    seconds. Returns per mode: call, guard wait, durable times, busy steps (guard waits
+    excluded) and the `none` blocks' steps."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, train_step = _trainer(args)
+    root = Path(tempfile.mkdtemp(prefix="async-bench-", dir=args.dir))
+    modes = args.modes.split(",")
+    managers = {m: _manager(m, args, root / f"m{i}") for i, m in enumerate(modes)
+                if m.split(":")[0].split("@")[0].split("+")[0] in ("copy", "overlap")}
+    if "dcp" in modes:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=0,
+                                world_size=1)
+    out: dict[str, dict[str, list[float]]] = {
+        m: {"call_ms": [], "guard_wait_ms": [], "durable_s": [], "busy_step_ms": [],
+            "idle_step_ms": []} for m in modes}
+    step = 0
+    for cycle in range(args.cycles):
+        order = modes[cycle % len(modes):] + modes[: cycle % len(modes)]
+        for mode in order:
+            rec = out[mode]
+            handle: Any = None
+            t1 = time.perf_counter()
+            if mode in managers:
+                handle = managers[mode].save(step, {"model": model, "optim": opt})
+            elif mode == "dcp":
+                sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+                handle = dcp.async_save(sd, checkpoint_id=str(root / f"dcp-{step}"))
+            if handle is not None:
+                rec["call_ms"].append((time.perf_counter() - t1) * 1e3)
+            first = len(rec["busy_step_ms"])
+            done_at = None
+            n = 0
+            while n < args.every or (handle is not None and not handle.done()):
+                busy = handle is not None and not handle.done()
+                if handle is not None and not busy and done_at is None:
+                    done_at = time.perf_counter()
+                t0 = time.perf_counter()
+                train_step(step)
+                dt = (time.perf_counter() - t0) * 1e3
+                (rec["busy_step_ms"] if busy else rec["idle_step_ms"]).append(dt)
+                step += 1
+                n += 1
+            if handle is None:
+                continue
+            if mode in managers:
+                info = handle.wait()
+                rec["durable_s"].append(info.seconds)
+                rec["guard_wait_ms"].append(info.guard_wait_seconds * 1e3)
+                if first < len(rec["busy_step_ms"]):
+                    rec["busy_step_ms"][first] -= info.guard_wait_seconds * 1e3
+            else:
+                handle.result()
+                rec["durable_s"].append((done_at or time.perf_counter()) - t1)
+    for mgr in managers.values():
+        mgr.close()
+    if "dcp" in modes:
+        dist.destroy_process_group()
+    shutil.rmtree(root, ignore_errors=True)
+    ckpt_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
+    return {"checkpoint_bytes": ckpt_bytes, "modes": out}
+
+
+def interleaved_table(rounds: list[dict[str, Any]], modes: list[str]) -> None:
+    """Print the table of --interleave runs: inflation against the `none` blocks of the same
+    process, median (min..max) over rounds."""
+    def cell(values: list[float], fmt: str) -> str:
+        vals = [v for v in values if v == v]
+        if not vals:
+            return "-"
+        med = statistics.median(vals)
+        return format(med, fmt) if len(vals) == 1 else \
+            f"{format(med, fmt)} ({format(min(vals), fmt)}..{format(max(vals), fmt)})"
+
+    print("| mode | stall: call + guard wait | inflation mean | inflation p95 | busy steps "
+          "| call -> durable |")
+    print("|---|---|---|---|---|---|")
+    for mode in modes:
+        if mode == "none":
+            base = [_mean(r["modes"]["none"]["idle_step_ms"]) for r in rounds]
+            print(f"| none | - | {cell(base, '.0f')} ms per step | - | - | - |")
+            continue
+        figs = []
+        for r in rounds:
+            rec, base = r["modes"][mode], _mean(r["modes"]["none"]["idle_step_ms"])
+            waits = rec["guard_wait_ms"] or [0.0] * len(rec["call_ms"])
+            figs.append({"stall": _mean([c + w for c, w in zip(rec["call_ms"], waits)]),
+                         "call": _mean(rec["call_ms"]), "guard": _mean(waits),
+                         "mean": _mean(rec["busy_step_ms"]) / base - 1,
+                         "p95": _p95(rec["busy_step_ms"]) / base - 1,
+                         "n": len(rec["busy_step_ms"]), "durable": _mean(rec["durable_s"])})
+
+        def col(name: str, fmt: str, figs: list[dict[str, float]] = figs) -> str:
+            return cell([f[name] for f in figs], fmt)
+
+        print(f"| {mode} | {col('stall', '.0f')} ms = {col('call', '.0f')} + "
+              f"{col('guard', '.0f')} | {col('mean', '+.0%')} | {col('p95', '+.0%')} | "
+              f"{col('n', '.0f')} | {col('durable', '.2f')} s |")
+
+
 def round_figures(r: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
     """One run's figures; inflation is relative to the round's `none` mean step, and the
     CPU time of a save is the run's CPU time beyond the `none` run's, per save."""
@@ -251,7 +370,7 @@ def _child(args: argparse.Namespace, mode: str) -> dict[str, Any] | None:
            "--layers", str(args.layers), "--batch", str(args.batch),
            "--steps", str(args.steps), "--every", str(args.every),
            "--warmup", str(args.warmup), "--max-host-mib", str(args.max_host_mib),
-           "--workers", str(args.workers),
+           "--workers", str(args.workers), "--modes", args.modes, "--cycles", str(args.cycles),
            "--port", str(args.port)] + (["--dir", args.dir] if args.dir else [])
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -291,17 +410,41 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: $TMPDIR)")
     ap.add_argument("--json", default=None, help="write the raw results here")
+    ap.add_argument("--interleave", action="store_true",
+                    help="every mode in one process per round, taking turns (no RSS)")
+    ap.add_argument("--cycles", type=int, default=6, help="--interleave: saves per mode")
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29531, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.mode == "interleaved":  # child
+        print(json.dumps(run_interleaved(args)))
+        return
     if args.mode:  # child
         print(json.dumps(run_mode(args)))
         return
     if args.quick:
-        args.rounds, args.steps = 1, 30
+        args.rounds, args.steps, args.cycles = 1, 30, 3
     modes = args.modes.split(",")
     if "none" not in modes:
         modes.insert(0, "none")
+    if args.interleave:
+        args.modes = ",".join(modes)
+        rounds = []
+        for rnd in range(args.rounds):
+            r = _child(args, "interleaved")
+            if r is not None:
+                rounds.append(r)
+            print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rounds, indent=1))
+        if rounds:
+            print(f"checkpoint {rounds[0]['checkpoint_bytes'] / MiB:.0f} MiB, modes taking "
+                  f"turns in one process, {args.cycles} saves each per round, a save every "
+                  f"{args.every} steps, budget {args.max_host_mib} MiB, {os.cpu_count()} "
+                  f"cores, {len(rounds)} round(s), load average at the end "
+                  f"{os.getloadavg()[0]:.1f}; median (min..max) over rounds")
+            interleaved_table(rounds, modes)
+        return
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     figures: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     t0 = time.perf_counter()
