@@ -1,10 +1,13 @@
-"""One rule for fan-out work on a thread pool: results as they complete, and on the first
-error every job not yet started is cancelled before the error propagates."""
+"""Rules for work on a thread pool: `completed` (results as they complete, and on the first
+error every job not yet started is cancelled before the error propagates) and `Turns` (how
+many threads of a save beside training may use a core at once)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -23,3 +26,105 @@ def completed(futures: Iterable[cf.Future[T]]) -> Iterator[cf.Future[T]]:
         for fut in pending:
             fut.cancel()
         raise
+
+
+class Turns:
+    """Lets at most `n` threads of a pool work at once, however many it runs, and up to `io`
+    more wait in blocking writes: a save beside training then takes about `n` cores from it.
+
+    A thread works inside `copy()` (staging a block: a guarded `optimizer.step()` waits for
+    copies, so a copy goes before any write that waits) or `write()` (hashing, compressing,
+    writing). Inside either, `io()` hands the turn back for a blocking write (a file's fsync
+    mostly waits for the disk) if an io slot is free, so that another thread works
+    meanwhile. `boosted()` lends more turns and io slots for a while: while the trainer
+    waits for the save (a guard), its core is free. Each release wakes one waiter, not every
+    thread of the pool: each wake-up takes the interpreter lock, which the training thread
+    needs too."""
+
+    def __init__(self, n: int, io: int = 0) -> None:
+        if n < 1 or io < 0:
+            raise ValueError("turns must be positive and io slots non-negative")
+        self.n = n
+        self.io_slots = io
+        self._extra = 0  # turns lent by boosted()
+        self._extra_io = 0
+        self._busy = 0
+        self._io_busy = 0
+        self._copies_waiting = 0
+        lock = threading.Lock()
+        self._copy_turn = threading.Condition(lock)
+        self._write_turn = threading.Condition(lock)
+        self._holding = threading.local()  # this thread holds a turn
+
+    def _full(self) -> bool:
+        return self._busy >= self.n + self._extra
+
+    @contextmanager
+    def copy(self) -> Iterator[None]:
+        with self._copy_turn:
+            self._copies_waiting += 1
+            while self._full():
+                self._copy_turn.wait()
+            self._copies_waiting -= 1
+            self._busy += 1
+        yield from self._held()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with self._write_turn:
+            while self._full() or self._copies_waiting:
+                self._write_turn.wait()
+            self._busy += 1
+        yield from self._held()
+
+    def _held(self) -> Iterator[None]:
+        self._holding.turn = True
+        try:
+            yield
+        finally:
+            if self._holding.turn:
+                self._holding.turn = False
+                self._release()
+
+    @contextmanager
+    def io(self) -> Iterator[None]:
+        """A blocking write: if an io slot is free, the turn this thread holds is given back
+        for its duration; otherwise the write keeps the turn."""
+        with self._copy_turn:
+            slot = self._io_busy < self.io_slots + self._extra_io
+            if slot:
+                self._io_busy += 1
+        if not slot:
+            yield
+            return
+        if getattr(self._holding, "turn", False):
+            self._holding.turn = False
+            self._release()
+        try:
+            yield
+        finally:
+            with self._copy_turn:
+                self._io_busy -= 1
+
+    @contextmanager
+    def boosted(self, workers: int, io: int) -> Iterator[None]:
+        """Lend `workers` more turns and `io` more io slots until the block ends."""
+        with self._copy_turn:
+            self._extra += workers
+            self._extra_io += io
+            self._copy_turn.notify_all()
+            self._write_turn.notify_all()
+        try:
+            yield
+        finally:
+            with self._copy_turn:
+                self._extra -= workers
+                self._extra_io -= io
+
+    def _release(self) -> None:
+        with self._copy_turn:
+            self._busy -= 1
+            if self._copies_waiting:
+                self._copy_turn.notify()
+            else:
+                self._write_turn.notify()

@@ -54,7 +54,15 @@ from .layout import MANIFEST_PREFIX, MARKER_KEY, blob_key, manifest_key, name_of
 from .maintenance import checks, leases
 from .pipeline.commit import LOCAL, Committer, LocalCommitter, SaveRequest
 from .pipeline.loading import load_state
-from .pipeline.overlap import Guard, Overlap, StagingPool, check_staging
+from .pipeline.overlap import (
+    Guard,
+    Overlap,
+    StagingPool,
+    check_async_writer,
+    check_staging,
+    overlap_options,
+    staging_pool,
+)
 from .pipeline.reader import CheckpointReader, LoadOptions
 from .pipeline.staging import StagingArena
 from .pipeline.writer import CheckpointWriter, KnownChunks, SaveInfo, SaveOptions
@@ -78,10 +86,6 @@ class _Default(enum.Enum):
 #: `compression=` of a save that keeps the repository's setting (None means "no compression").
 REPO_DEFAULT = _Default.REPOSITORY
 Compression = str | Codec | None | _Default
-
-#: Overlapped saves run up to this many threads: `workers` hash and write, the others have
-#: copied a block into a staging slot and wait for their turn to write it
-MAX_OVERLAP_WORKERS = 32
 
 #: A save's manifest is created at least this long after the newest checkpoint it saw.
 COMMIT_ORDER_STEP = 1e-3
@@ -219,7 +223,12 @@ class CheckpointStore:
     (at most one save in flight, a new one waits for the previous).
 
     `workers` sets the threads of saves and restores alike; by default a save uses 8 and a
-    restore `reader.default_load_workers()` (two per core, 4 to 8).
+    restore `reader.default_load_workers()` (two per core, 4 to 8). A save that runs beside
+    training (`save_async`) works on `background_workers` threads at once (default 1: one
+    core); `background_io` more may wait in writes meanwhile (default 0: raise it for S3,
+    or where the trainer leaves cores idle). Overlapped saves into a local folder are
+    written by a writer process (`async_writer="auto"`, the default; "thread" keeps them in
+    this process, "process" insists). See docs/training.md, "Overlapped async saves".
 
     `hash` chooses, when the repository is created, how chunks are named: "xxh3-128" (the
     default; detects accidents) or "sha256-128" (a writer without the manifest cannot forge
@@ -233,7 +242,8 @@ class CheckpointStore:
                  max_inflight_bytes: int | None = None, hash: str | None = None,
                  staging: str = "copy", max_host_bytes: int | None = None,
                  replicate: bool = True, replication_retry: RetryPolicy | None = None,
-                 **store_options: Any) -> None:
+                 async_writer: str = "auto", background_workers: int = 1,
+                 background_io: int = 0, **store_options: Any) -> None:
         check_staging(staging, max_host_bytes)
         tier_uris = tier_config.tier_uris(uri)
         if any(tier_config.has_placeholders(u) for u in tier_uris):
@@ -259,7 +269,10 @@ class CheckpointStore:
             pack_threshold=min(defaults.pack_threshold, chunk_bytes or defaults.chunk_bytes),
             compression=codec_option(compression),
             workers=defaults.workers if workers is None else workers,
-            max_inflight_bytes=max_inflight_bytes or defaults.max_inflight_bytes)
+            max_inflight_bytes=max_inflight_bytes or defaults.max_inflight_bytes,
+            background_workers=background_workers, background_io=background_io,
+            async_writer=async_writer)
+        check_async_writer(async_writer, self.store)
         load_defaults = LoadOptions()
         self.load_options = LoadOptions(
             workers=load_defaults.workers if workers is None else workers,
@@ -780,17 +793,11 @@ class CheckpointStore:
                         if staging == "copy":
                             request = replace(request,
                                               leaves=self._arena.stage(request.leaves))
+                            options = options.for_background()
                         else:
-                            budget = max_host_bytes or options.max_inflight_bytes
-                            # enough workers to fill the budget with copies at once: a guarded
-                            # step waits for copies, not for the writes behind them
-                            slots = budget // min(options.chunk_bytes, budget)
-                            writers = options.workers
-                            options = replace(options, max_inflight_bytes=budget,
-                                              workers=max(writers, min(MAX_OVERLAP_WORKERS,
-                                                                       slots + writers)))
+                            options = overlap_options(options, max_host_bytes)
                             request, overlap = self._overlap_request(
-                                request, state, set(copy_keys), options, writers)
+                                request, state, set(copy_keys), options)
             except BaseException:
                 lease.release()
                 raise
@@ -820,8 +827,7 @@ class CheckpointStore:
             return handle
 
     def _overlap_request(self, request: SaveRequest, state: Any, copy_keys: set[str],
-                         options: SaveOptions, writers: int
-                         ) -> tuple[SaveRequest, Overlap]:
+                         options: SaveOptions) -> tuple[SaveRequest, Overlap]:
         """The request of an overlapped save: numpy arrays and `copy_keys` copied now, every
         other leaf left on the caller's memory and tracked by an Overlap."""
         objects = flatten_arrays(state)
@@ -839,10 +845,8 @@ class CheckpointStore:
                 obj = None
             leaves.append(leaf)
             sources.append(obj)
-        slot = min(options.chunk_bytes, options.max_inflight_bytes)
-        if self._pool is None or self._pool.slot_bytes != slot:
-            self._pool = StagingPool(slot)
-        overlap = Overlap(leaves, sources, self._pool, writers)
+        self._pool = staging_pool(self._pool, self.store, options)
+        overlap = Overlap(leaves, sources, self._pool)
         return replace(request, leaves=leaves), overlap
 
     def wait(self) -> None:
@@ -1021,6 +1025,8 @@ class CheckpointStore:
                     self._replicator.close(wait=wait_replication)
             finally:
                 self._bg.shutdown(wait=True)
+                if self._pool is not None:
+                    self._pool.close()
                 for tier in self.tiers[1:]:
                     tier.close()
                 self.store.close()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -69,29 +70,47 @@ def test_store_and_manager_defaults():
     repo.close()
 
 
-def test_unguarded_change_right_after_the_call_fails_cleanly_or_keeps_old_values(tmp_path):
-    repo = CheckpointStore(tmp_path / "r", chunk_bytes=128 * 1024)
+class _GatedStore(MemoryStore):
+    """A memory store whose blob writes wait until `gate` is set: the save stays at its
+    first block (one staging slot) until the test has made its changes."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.gate = threading.Event()
+
+    def put(self, key, data):
+        if key.startswith("blobs/"):
+            assert self.gate.wait(30)
+        return super().put(key, data)
+
+
+def test_unguarded_change_right_after_the_call_fails_cleanly_or_keeps_old_values():
+    store = _GatedStore(f"gated-{os.getpid()}")
+    repo = CheckpointStore(store, chunk_bytes=128 * 1024)
     torch.manual_seed(0)
-    state = {f"w{i}": torch.randn(256, 512) for i in range(6)}  # 512 KiB each, 4 chunks
+    gate = torch.zeros(128 * 1024 // 4)  # first in the state, never changed: one block
+    state = {"gate": gate, **{f"w{i}": torch.randn(256, 512) for i in range(6)}}  # 4 blocks each
+    store.gate.set()
     repo.save("base", state)
-    outcomes = []
-    for attempt in range(12):
-        old = _clone(state)
+    for attempt in range(3):
+        store.gate.clear()
         name = f"s{attempt}"
-        handle = repo.save_async(name, state, staging="overlap", max_host_bytes=MiB)
-        for t in state.values():  # the trainer moves on without a guard
-            t.add_(1.0)
-        try:
+        handle = repo.save_async(name, state, staging="overlap", max_host_bytes=128 * 1024)
+        for key, t in state.items():  # the trainer moves on without a guard
+            if key != "gate":
+                t.add_(1.0)
+        store.gate.set()  # only now can the save copy past its first block
+        with pytest.raises(SourceChangedError) as err:
             handle.wait()
-        except SourceChangedError as exc:
-            assert exc.key in state and "nothing was committed" in str(exc)
-            assert not repo.exists(name)
-            outcomes.append("failed")
-            continue
-        assert_same(repo.load(name), old)  # never a value from after the call
-        outcomes.append("old")
-    assert repo.latest() is not None and repo.verify("base").ok
-    assert "failed" in outcomes  # the detection fires in practice
+        assert err.value.key in state and "nothing was committed" in str(err.value)
+        assert not repo.exists(name)
+    # a change after the save ended never reaches it (staged, written and committed)
+    old = _clone(state)
+    repo.save_async("after", state, staging="overlap", max_host_bytes=128 * 1024).wait()
+    for t in state.values():
+        t.add_(1.0)
+    assert_same(repo.load("after"), old)
+    assert repo.latest() == "after" and repo.verify("base").ok
     repo.close()
 
 
@@ -249,3 +268,96 @@ def test_sigkill_during_overlapped_save_leaves_no_checkpoint(tmp_path):
     assert [c.name for c in repo.list()] == ["base"]
     assert not repo.exists("big") and repo.verify("base").ok
     repo.close()
+
+
+def test_turns_let_one_thread_work_and_copies_go_first():
+    import threading
+
+    from ckptstore.concurrency import Turns
+
+    turns = Turns(1)
+    order: list[str] = []
+    working = []
+    held = threading.Event()
+    release = threading.Event()
+
+    def holder():
+        with turns.write():
+            held.set()
+            release.wait(5)
+
+    def job(kind: str, started: threading.Event):
+        started.set()
+        with getattr(turns, kind)():
+            working.append(kind)
+            assert len(working) == 1  # never two at once
+            order.append(kind)
+            working.remove(kind)
+
+    h = threading.Thread(target=holder)
+    h.start()
+    assert held.wait(5)
+    threads = []
+    for kind in ("write", "write", "copy"):  # the copy asks last
+        started = threading.Event()
+        t = threading.Thread(target=job, args=(kind, started))
+        t.start()
+        assert started.wait(5)
+        time.sleep(0.05)  # it waits for its turn now
+        threads.append(t)
+    release.set()
+    for t in [h, *threads]:
+        t.join(5)
+    assert order == ["copy", "write", "write"]
+
+
+def test_turns_hand_the_turn_back_for_blocking_writes():
+    import threading
+
+    from ckptstore.concurrency import Turns
+
+    turns = Turns(1, io=1)
+    in_io = threading.Event()
+    leave_io = threading.Event()
+
+    def writer():
+        with turns.write(), turns.io():
+            in_io.set()
+            leave_io.wait(5)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    assert in_io.wait(5)
+    got = threading.Event()
+    c = threading.Thread(target=lambda: [got.set() for _ in [turns.copy().__enter__()]])
+    c.start()
+    assert got.wait(2)  # the writer waits on its write: another thread may work meanwhile
+    leave_io.set()
+    t.join(5)
+
+
+def test_turns_boosted_lends_a_turn_while_the_trainer_waits():
+    import threading
+
+    from ckptstore.concurrency import Turns
+
+    turns = Turns(1)
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def holder():
+        with turns.write():
+            inside.set()
+            leave.wait(5)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert inside.wait(5)
+    second = threading.Event()
+    w = threading.Thread(target=lambda: [second.set() for _ in [turns.write().__enter__()]])
+    w.start()
+    assert not second.wait(0.2)  # one turn, taken
+    with turns.boosted(1, 0):
+        assert second.wait(5)  # the lent turn lets it in
+    leave.set()
+    t.join(5)

@@ -33,15 +33,30 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from ..concurrency import Turns
 from ..errors import SourceChangedError
 from ..format.leaf import ArrayLeaf
+from ..stores.base import Store
+from ..stores.local import LocalStore
+from .writer import SaveOptions
+from .writer_process import SharedSlot, WriterProcess, writer_process_available
 
 STAGING_MODES = ("copy", "overlap")
+ASYNC_WRITERS = ("auto", "thread", "process")
+#: An overlapped save's writer runs up to this many threads: `background_workers` of them
+#: work at once and `background_io` wait in writes (concurrency.Turns), the others hold a
+#: staged block and wait for their turn to write it. A thread holds one block, so this also
+#: caps how far copies run ahead of writes: 128 blocks, 2 GiB at the default chunk size
+#: (threads that wait cost no CPU and little memory)
+MAX_OVERLAP_THREADS = 128
+#: writes in flight a save may add while a guarded step waits for it
+GUARD_IO = 4
 
 
 def check_staging(staging: str, max_host_bytes: int | None) -> None:
@@ -49,6 +64,17 @@ def check_staging(staging: str, max_host_bytes: int | None) -> None:
         raise ValueError(f"staging must be one of {STAGING_MODES}, got {staging!r}")
     if max_host_bytes is not None and (type(max_host_bytes) is not int or max_host_bytes < 1):
         raise ValueError(f"max_host_bytes must be a positive int, got {max_host_bytes!r}")
+
+
+def overlap_options(options: SaveOptions, max_host_bytes: int | None) -> SaveOptions:
+    """The options of an overlapped save: the staging budget (`max_host_bytes`, default
+    `max_inflight_bytes`) bounds the pipeline's memory, and the writer gets a thread per
+    staging slot besides its working threads, so that copies fill every free slot at once."""
+    budget = max_host_bytes or options.max_inflight_bytes
+    slots = budget // min(options.chunk_bytes, budget)
+    threads = slots + options.background_workers + options.background_io
+    return replace(options, max_inflight_bytes=budget, background=True,
+                   workers=min(MAX_OVERLAP_THREADS, threads))
 
 
 def _version_source(obj: Any) -> Any:
@@ -61,13 +87,22 @@ def _version_source(obj: Any) -> Any:
 class StagingPool:
     """Reusable slots of `slot_bytes` for block copies; slots are allocated lazily and kept.
     How many are in use at once is bounded by the writer's ByteBudget (each holder holds at
-    least a slot's bytes), so at most budget // slot_bytes slots ever exist."""
+    least a slot's bytes), so at most budget // slot_bytes slots ever exist. With a
+    `writer` process, slots are shared memory that process writes from (`sink`)."""
 
-    def __init__(self, slot_bytes: int) -> None:
+    def __init__(self, slot_bytes: int, writer: WriterProcess | None = None) -> None:
         self.slot_bytes = slot_bytes
+        self.sink = writer
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
         self.allocated = 0
+
+    def _new_slot(self, index: int) -> np.ndarray:
+        if self.sink is None:
+            return np.empty(self.slot_bytes, np.uint8)
+        shared = SharedSlot(index, self.slot_bytes)
+        self.sink.add_slot(shared)
+        return shared.array
 
     @contextmanager
     def buffer(self, nbytes: int) -> Iterator[np.ndarray]:
@@ -78,27 +113,74 @@ class StagingPool:
         with self._lock:
             slot = self._free.pop() if self._free else None
             if slot is None:
+                index = self.allocated
                 self.allocated += 1
         if slot is None:
-            slot = np.empty(self.slot_bytes, np.uint8)
+            slot = self._new_slot(index)
         try:
             yield slot
         finally:
             with self._lock:
                 self._free.append(slot)
 
+    def close(self) -> None:
+        """Stop the writer process, if any (the pool's slots stay usable by threads)."""
+        if self.sink is not None:
+            self.sink.close()
+
+
+def staging_pool(current: StagingPool | None, store: Store, options: SaveOptions
+                 ) -> StagingPool:
+    """The pool an overlapped save with `options` uses: `current` if it fits, else a new
+    one (and `current` is closed)."""
+    slot = min(options.chunk_bytes, options.max_inflight_bytes)
+    # the writer's threads: one per write that may be in flight (Turns, guards' boosts)
+    threads = (options.background_workers + options.background_io + 1 + GUARD_IO
+               if uses_writer_process(options.async_writer, store) else None)
+    if current is not None and current.slot_bytes == slot and threads == (
+            None if current.sink is None else current.sink.threads):
+        return current
+    if current is not None:
+        current.close()
+    writer = None
+    if threads is not None:
+        check_async_writer(options.async_writer, store)
+        assert isinstance(store, LocalStore)
+        writer = WriterProcess(store.root, threads)
+    return StagingPool(slot, writer)
+
+
+def check_async_writer(async_writer: str, store: Store) -> None:
+    """ValueError unless `async_writer` can write to `store`."""
+    if async_writer not in ASYNC_WRITERS:
+        raise ValueError(f"async_writer must be one of {ASYNC_WRITERS}, got {async_writer!r}")
+    if async_writer == "process" and not isinstance(store, LocalStore):
+        raise ValueError('async_writer="process" writes to local folders only; '
+                         f"{store.uri} is not one (use \"auto\" or \"thread\")")
+    if async_writer == "process" and not writer_process_available():
+        raise ValueError('async_writer="process" needs Linux (memfd) and a Python executable')
+
+
+def uses_writer_process(async_writer: str, store: Store) -> bool:
+    """Whether overlapped saves into `store` are written by a writer process: "process",
+    or "auto" (the default) for a local folder where a writer process can run."""
+    if async_writer == "auto":
+        return isinstance(store, LocalStore) and writer_process_available()
+    return async_writer == "process"
+
 
 class Overlap:
     """The state of one overlapped save (module docstring). Thread-safe."""
 
-    def __init__(self, leaves: list[ArrayLeaf], objects: list[Any], pool: StagingPool,
-                 writers: int = 8) -> None:
+    def __init__(self, leaves: list[ArrayLeaf], objects: list[Any], pool: StagingPool
+                 ) -> None:
         self.leaves = leaves
         self.pool = pool
-        #: jobs hashing/compressing/writing at once: the writer may run more threads than
-        #: this, so that copies into free slots never wait for writes (a guarded step waits
-        #: for copies only), while hashing and writing use no more CPU than `writers` threads
-        self.writing = threading.BoundedSemaphore(writers)
+        #: where blobs are written when not through the store itself (a writer process)
+        self.sink = pool.sink
+        #: the writer's Turns, once it runs: a guard lends it the trainer's core while the
+        #: trainer waits
+        self.turns: Turns | None = None
         self.sources = [_version_source(o) for o in objects]
         self.versions = [None if s is None else int(s._version) for s in self.sources]
         self.events = [threading.Event() for _ in leaves]
@@ -198,8 +280,12 @@ class Guard:
             if not pending:
                 return
             t0 = time.perf_counter()
-            for e in pending:
-                e.wait()
+            turns = overlap.turns
+            # the trainer waits: its core is the save's meanwhile (one more worker, and
+            # writes in flight beside them)
+            with turns.boosted(1, GUARD_IO) if turns is not None else nullcontext():
+                for e in pending:
+                    e.wait()
             overlap.add_wait(time.perf_counter() - t0)
 
         self._handle = optimizer.register_step_pre_hook(hook)

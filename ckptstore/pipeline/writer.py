@@ -21,13 +21,13 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..concurrency import completed
+from ..concurrency import Turns, completed
 from ..errors import (
     CheckpointExistsError,
     CkptStoreError,
@@ -57,7 +57,11 @@ RECLAIM_LIVE_FRACTION = 0.5
 class SaveOptions:
     """Tuning of one save. `chunk_bytes`: target raw size of a row block and of a pack;
     arrays of at most `pack_threshold` bytes are packed together; `max_inflight_bytes` bounds
-    the extra memory the pipeline allocates; `workers` is the thread-pool size."""
+    the extra memory the pipeline allocates; `workers` is the thread-pool size.
+
+    A save that runs beside training (`background`: `save_async`) works on at most
+    `background_workers` threads at once (each takes a core from the training step), and
+    up to `background_io` more wait in blocking writes (concurrency.Turns)."""
 
     chunk_bytes: int = 16 * MiB
     pack_threshold: int = 256 * 1024
@@ -65,12 +69,26 @@ class SaveOptions:
     workers: int = 8
     max_inflight_bytes: int = 512 * MiB
     hash: HashAlgorithm = XXH3_128  # the repository's: names every chunk
+    background_workers: int = 1
+    background_io: int = 0
+    #: who writes the blobs of an overlapped save: "thread" (threads of this process),
+    #: "process" (a writer process sharing the staging slots: pipeline/writer_process.py)
+    #: or "auto" (a writer process for a local folder, else threads)
+    async_writer: str = "auto"
+    background: bool = False
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < 1 or self.pack_threshold < 0 or self.workers < 1:
-            raise ValueError("chunk_bytes and workers must be positive, pack_threshold >= 0")
+        if self.chunk_bytes < 1 or self.pack_threshold < 0 or self.workers < 1 \
+                or self.background_workers < 1 or self.background_io < 0:
+            raise ValueError("chunk_bytes and workers must be positive, pack_threshold and "
+                             "background_io >= 0")
         if self.pack_threshold > self.chunk_bytes:
             raise ValueError("pack_threshold cannot exceed chunk_bytes")
+
+    def for_background(self) -> SaveOptions:
+        """The options of a save written beside training (staged at call time)."""
+        return replace(self, background=True,
+                       workers=self.background_workers + self.background_io)
 
 
 @dataclass(frozen=True)
@@ -226,6 +244,15 @@ class CheckpointWriter:
         #: Overlapped staging (pipeline/overlap.py): leaves are the caller's live arrays;
         #: every block is copied into a budgeted slot, checked, then hashed and written.
         self.overlap: Overlap | None = None
+        #: A save beside training: how many of the pool's threads work at once
+        self.turns = Turns(options.background_workers, options.background_io) \
+            if options.background else None
+
+    def _turn(self, copy: bool = False) -> AbstractContextManager[None]:
+        """A turn to work (concurrency.Turns) in a save beside training; else no wait."""
+        if self.turns is None:
+            return nullcontext()
+        return self.turns.copy() if copy else self.turns.write()
 
     # ---------------------------------------------------------------- one blob
     def _put_blob(self, blob: str, data: memoryview | bytes | bytearray) -> bool:
@@ -234,8 +261,10 @@ class CheckpointWriter:
             if blob in self._claimed:
                 return False
             self._claimed.add(blob)
-        with self.stats.timed("write"):
-            self.store.put(blob_key(blob), data)
+        sink = self.overlap.sink if self.overlap is not None else None
+        with self.turns.io() if self.turns is not None else nullcontext(), \
+                self.stats.timed("write"):
+            (self.store if sink is None else sink).put(blob_key(blob), data)
         return True
 
     def _chunk_job(self, leaf: ArrayLeaf, start: int, stop: int, index: int = -1) -> ChunkRef:
@@ -243,7 +272,7 @@ class CheckpointWriter:
         overlap = self.overlap
         if overlap is None or index < 0:
             need_copy = not block.flags.c_contiguous
-            with self.budget.hold(block.nbytes if need_copy else 0):
+            with self.budget.hold(block.nbytes if need_copy else 0), self._turn():
                 if need_copy:
                     with self.stats.timed("stage"):
                         block = np.ascontiguousarray(block)
@@ -253,13 +282,13 @@ class CheckpointWriter:
         slot_hold = max(block.nbytes, overlap.pool.slot_bytes)
         extra = block.nbytes // 2 if codec is not None else 0
         with self.budget.hold(slot_hold + extra), overlap.pool.buffer(block.nbytes) as slot:
-            with self.stats.timed("stage"):
+            with self._turn(copy=True), self.stats.timed("stage"):
                 overlap.check(index)
                 dst = np.ndarray(block.shape, block.dtype.newbyteorder("="), slot, 0)
                 np.copyto(dst, block)
                 overlap.check(index)
             overlap.copied(index)
-            with overlap.writing:
+            with self._turn():
                 return self._chunk_of(leaf, dst, hold_compressed=False)
 
     def _chunk_of(self, leaf: ArrayLeaf, block: np.ndarray, hold_compressed: bool) -> ChunkRef:
@@ -295,7 +324,8 @@ class CheckpointWriter:
         Per member only a digest and a lookup: the stats are summed once per pack."""
         overlap = self.overlap
         if overlap is None:
-            return self._pack_of(members, hold=True)
+            with self._turn():
+                return self._pack_of(members, hold=True)
         # overlapped staging: copy (and check) every member into one slot first
         sizes = [-(-leaf.nbytes // 64) * 64 for _i, leaf in members]
         total = sum(leaf.nbytes for _i, leaf in members)
@@ -303,7 +333,7 @@ class CheckpointWriter:
         with self.budget.hold(slot_hold + total), overlap.pool.buffer(sum(sizes)) as slot:
             staged = []
             pos = 0
-            with self.stats.timed("stage"):
+            with self._turn(copy=True), self.stats.timed("stage"):
                 for (index, leaf), size in zip(members, sizes):
                     src = leaf.array
                     overlap.check(index)
@@ -313,7 +343,7 @@ class CheckpointWriter:
                     overlap.copied(index)
                     staged.append((index, leaf.with_array(dst)))
                     pos += size
-            with overlap.writing:
+            with self._turn():
                 return self._pack_of(staged, hold=False)
 
     def _mostly_dead(self, blob: str, live: int) -> bool:
@@ -394,6 +424,7 @@ class CheckpointWriter:
                       if not plan.packed for c, start, stop in plan.local_chunks(leaf)]
             groups = list(_pack_groups(packed, leaves, opts.chunk_bytes))
             if self.overlap is not None:  # blocks to copy per leaf, known before any job runs
+                self.overlap.turns = self.turns
                 counts: dict[int, int] = defaultdict(int)
                 for i in [b[0] for b in blocks] + [i for group in groups for i in group]:
                     counts[i] += 1
@@ -410,6 +441,8 @@ class CheckpointWriter:
                     refs.update(((j, 0), ref) for j, ref in done.result().items())
         if self.overlap is not None:
             self.overlap.confirm()
+            if self.overlap.sink is not None:
+                self.overlap.sink.sync()  # what the writer process wrote: durable now too
         return refs
 
     def creation_time(self) -> float:
