@@ -7,10 +7,18 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
+
+#: While the caller waits for a background save (a guarded `optimizer.step()` or
+#: `SaveHandle.wait()`), its core is free: the save may use this many more working threads
+#: and writes in flight (`Turns.lent_to_waiter`). A pool that may be boosted needs
+#: `BOOST_THREADS` threads beyond its usual ones.
+BOOST_WORKERS = 1
+BOOST_IO = 4
+BOOST_THREADS = BOOST_WORKERS + BOOST_IO
 
 
 def completed(futures: Iterable[cf.Future[T]]) -> Iterator[cf.Future[T]]:
@@ -120,6 +128,10 @@ class Turns:
             with self._copy_turn:
                 self._extra -= workers
                 self._extra_io -= io
+
+    def lent_to_waiter(self) -> AbstractContextManager[None]:
+        """`boosted` by the caller's core while the caller blocks on this save."""
+        return self.boosted(BOOST_WORKERS, BOOST_IO)
 
     def _release(self) -> None:
         with self._copy_turn:

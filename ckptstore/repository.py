@@ -27,10 +27,12 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .collector import paused_collector, quiet_collector
+from .concurrency import Turns
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -65,7 +67,13 @@ from .pipeline.overlap import (
 )
 from .pipeline.reader import CheckpointReader, LoadOptions
 from .pipeline.staging import StagingArena
-from .pipeline.writer import CheckpointWriter, KnownChunks, SaveInfo, SaveOptions
+from .pipeline.writer import (
+    CheckpointWriter,
+    KnownChunks,
+    SaveInfo,
+    SaveOptions,
+    background_turns,
+)
 from .stores import Store, open_store
 from .tiers import config as tier_config
 from .tiers import pending
@@ -139,20 +147,25 @@ class SaveHandle:
     """A save running in the background. `wait()` returns its SaveInfo or raises its error."""
 
     def __init__(self, future: cf.Future[SaveInfo], name: str,
-                 overlap: Overlap | None = None) -> None:
+                 overlap: Overlap | None = None, turns: Turns | None = None) -> None:
         self._future = future
         self.name = name
         self._observed = False
         self._overlap = overlap
+        self._turns = turns
         self._guards: builtins.list[Guard] = []
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> SaveInfo:
+        """Block until the save has committed; return its SaveInfo or raise its error. While
+        the caller blocks here its core is lent to the save (concurrency.Turns)."""
         self._observed = True
+        turns = None if self._future.done() else self._turns
         try:
-            return self._future.result(timeout)
+            with turns.lent_to_waiter() if turns is not None else nullcontext():
+                return self._future.result(timeout)
         finally:
             if self._future.done():
                 self.remove_guards()
@@ -635,12 +648,13 @@ class CheckpointStore:
 
     def _write(self, request: SaveRequest, committer: Committer, options: SaveOptions,
                t0: float, blocked: float, lease: leases.Lease,
-               overlap: Overlap | None = None, targets: tuple[int, ...] = ()) -> SaveInfo:
+               overlap: Overlap | None = None, targets: tuple[int, ...] = (),
+               turns: Turns | None = None) -> SaveInfo:
         """Write and commit `request` through `committer`; release the lease; queue the
         replication to `targets` (later tiers); then let the committer run what follows a
-        commit. Returns the SaveInfo."""
+        commit. Returns the SaveInfo. `turns`: those of a background save (SaveHandle)."""
         name, leaves = request.name, request.leaves
-        writer = self._writer(options, self._known, lease, overlap, targets)
+        writer = self._writer(options, self._known, lease, overlap, targets, turns)
         try:
             manifest = committer.commit(writer, request)
         except ReusedBlobsMissingError as exc:
@@ -648,7 +662,7 @@ class CheckpointStore:
                 raise  # other ranks wrote their part with the same assumption: nothing committed
             # a gc deleted chunks this save meant to reuse: write every chunk again
             log.warning("%s; writing checkpoint %r again without reusing chunks", exc, name)
-            writer = self._writer(options, KnownChunks(), lease, overlap, targets)
+            writer = self._writer(options, KnownChunks(), lease, overlap, targets, turns)
             manifest = committer.commit(writer, request)
         if manifest is not None:
             # cache what any reader will parse from the store: the writer's own objects only
@@ -683,8 +697,9 @@ class CheckpointStore:
 
     def _writer(self, options: SaveOptions, known: KnownChunks,
                 lease: leases.Lease | None, overlap: Overlap | None = None,
-                targets: tuple[int, ...] = ()) -> CheckpointWriter:
-        writer = CheckpointWriter(self.store, options, known)
+                targets: tuple[int, ...] = (), turns: Turns | None = None
+                ) -> CheckpointWriter:
+        writer = CheckpointWriter(self.store, options, known, turns)
         writer.overlap = overlap
         writer.not_before = self._not_before
         if lease is not None:
@@ -802,12 +817,13 @@ class CheckpointStore:
                 lease.release()
                 raise
             blocked = time.perf_counter() - t0
+            turns = background_turns(options)
 
             def write() -> SaveInfo:
                 try:
                     with quiet_collector():
                         info = self._write(request, committer, options, t0, blocked, lease,
-                                           overlap, targets)
+                                           overlap, targets, turns)
                     if overlap is None:
                         return info
                     overlap.finish()
@@ -822,7 +838,7 @@ class CheckpointStore:
                     lease.release()
 
             future = self._bg.submit(write)
-            handle = SaveHandle(future, name, overlap)
+            handle = SaveHandle(future, name, overlap, turns)
             self._pending = handle
             return handle
 

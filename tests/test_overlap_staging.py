@@ -361,3 +361,48 @@ def test_turns_boosted_lends_a_turn_while_the_trainer_waits():
         assert second.wait(5)  # the lent turn lets it in
     leave.set()
     t.join(5)
+
+
+class _SlowPutStore(MemoryStore):
+    """A memory store whose blob writes take a while and record how many ran at once."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.lock = threading.Lock()
+        self.running = 0
+        self.most = 0
+
+    def put(self, key, data):
+        if not key.startswith("blobs/"):
+            return super().put(key, data)
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            time.sleep(0.03)
+            return super().put(key, data)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+@pytest.mark.parametrize("staging", ["copy", "overlap"])
+def test_a_caller_blocked_in_wait_lends_its_core_to_the_save(staging):
+    """A background save works one write at a time beside training; once the caller blocks
+    in `wait()` (its core is free), writes run side by side and the save ends sooner."""
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(64, 1024) for i in range(16)}  # 16 chunks of 256 KiB
+    most = {}
+    for waits in (False, True):
+        store = _SlowPutStore(f"slow-{os.getpid()}-{staging}-{waits}")
+        repo = CheckpointStore(store, chunk_bytes=256 * 1024, async_writer="thread")
+        handle = repo.save_async("s", state, staging=staging, max_host_bytes=8 << 20)
+        if not waits:  # the trainer goes on: poll without blocking in wait()
+            while not handle.done():
+                time.sleep(0.01)
+        handle.wait()
+        most[waits] = store.most
+        _equal(repo.load("s"), state)
+        repo.close()
+    assert most[False] == 1, most  # beside training: one write at a time
+    assert most[True] > 1, most  # wait() lent the caller's core: writes side by side

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..concurrency import Turns
+from ..concurrency import BOOST_THREADS, Turns
 from ..errors import SourceChangedError
 from ..format.leaf import ArrayLeaf
 from ..stores.base import Store
@@ -55,8 +55,6 @@ ASYNC_WRITERS = ("auto", "thread", "process")
 #: caps how far copies run ahead of writes: 128 blocks, 2 GiB at the default chunk size
 #: (threads that wait cost no CPU and little memory)
 MAX_OVERLAP_THREADS = 128
-#: writes in flight a save may add while a guarded step waits for it
-GUARD_IO = 4
 
 
 def check_staging(staging: str, max_host_bytes: int | None) -> None:
@@ -135,7 +133,7 @@ def staging_pool(current: StagingPool | None, store: Store, options: SaveOptions
     one (and `current` is closed)."""
     slot = min(options.chunk_bytes, options.max_inflight_bytes)
     # the writer's threads: one per write that may be in flight (Turns, guards' boosts)
-    threads = (options.background_workers + options.background_io + 1 + GUARD_IO
+    threads = (options.background_workers + options.background_io + BOOST_THREADS
                if uses_writer_process(options.async_writer, store) else None)
     if current is not None and current.slot_bytes == slot and threads == (
             None if current.sink is None else current.sink.threads):
@@ -281,9 +279,8 @@ class Guard:
                 return
             t0 = time.perf_counter()
             turns = overlap.turns
-            # the trainer waits: its core is the save's meanwhile (one more worker, and
-            # writes in flight beside them)
-            with turns.boosted(1, GUARD_IO) if turns is not None else nullcontext():
+            # the trainer waits: its core is the save's meanwhile
+            with turns.lent_to_waiter() if turns is not None else nullcontext():
                 for e in pending:
                     e.wait()
             overlap.add_wait(time.perf_counter() - t0)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..concurrency import Turns, completed
+from ..concurrency import BOOST_THREADS, Turns, completed
 from ..errors import (
     CheckpointExistsError,
     CkptStoreError,
@@ -86,9 +86,10 @@ class SaveOptions:
             raise ValueError("pack_threshold cannot exceed chunk_bytes")
 
     def for_background(self) -> SaveOptions:
-        """The options of a save written beside training (staged at call time)."""
+        """The options of a save written beside training (staged at call time): threads for
+        its turns, and for those lent while the caller waits for it (concurrency.Turns)."""
         return replace(self, background=True,
-                       workers=self.background_workers + self.background_io)
+                       workers=self.background_workers + self.background_io + BOOST_THREADS)
 
 
 @dataclass(frozen=True)
@@ -220,10 +221,21 @@ def _flat_bytes(block: np.ndarray) -> memoryview:
     return block.reshape(-1).view(np.uint8).data if block.size else memoryview(b"")
 
 
-class CheckpointWriter:
-    """Writes the blobs of one checkpoint and commits its manifest. One instance per save."""
+def background_turns(options: SaveOptions) -> Turns | None:
+    """The Turns of a save beside training (how many of its threads work at once), or None
+    for a save the caller waits for."""
+    if not options.background:
+        return None
+    return Turns(options.background_workers, options.background_io)
 
-    def __init__(self, store: Store, options: SaveOptions, known: KnownChunks) -> None:
+
+class CheckpointWriter:
+    """Writes the blobs of one checkpoint and commits its manifest. One instance per save.
+    `turns` (default: `background_turns(options)`) is shared with whoever may lend the save
+    a core while waiting for it (SaveHandle.wait, a guarded step)."""
+
+    def __init__(self, store: Store, options: SaveOptions, known: KnownChunks,
+                 turns: Turns | None = None) -> None:
         self.store = store
         self.options = options
         self.known = known
@@ -245,8 +257,7 @@ class CheckpointWriter:
         #: every block is copied into a budgeted slot, checked, then hashed and written.
         self.overlap: Overlap | None = None
         #: A save beside training: how many of the pool's threads work at once
-        self.turns = Turns(options.background_workers, options.background_io) \
-            if options.background else None
+        self.turns = turns if turns is not None else background_turns(options)
 
     def _turn(self, copy: bool = False) -> AbstractContextManager[None]:
         """A turn to work (concurrency.Turns) in a save beside training; else no wait."""
