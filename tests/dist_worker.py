@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 
 import numpy as np
@@ -28,6 +29,18 @@ def split(rows: int, world: int, rank: int) -> tuple[int, int]:
 def _init(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
+
+
+def leave_process_group() -> None:
+    """Destroy the default group (call in a worker's `finally`). When the worker succeeded,
+    wait at a barrier first until every rank is done with the group: a rank that closes its
+    sockets while a peer still uses them can make gloo abort that peer at exit ("terminate
+    called without an active exception"). After a failure, the others may never arrive."""
+    if not dist.is_initialized():
+        return
+    if sys.exc_info()[0] is None:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _dtensor(full: torch.Tensor, world: int):
@@ -135,8 +148,7 @@ def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
             f.write(traceback.format_exc())
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
 
 
 def load_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
@@ -159,8 +171,7 @@ def load_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
             f.write(traceback.format_exc())
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
 
 
 # ---------------------------------------------------------------- DTensor resharding
@@ -284,8 +295,7 @@ def dtensor_worker(rank: int, world: int, init_file: str, root: str, out_dir: st
             f.write(traceback.format_exc())
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
 
 
 # ---------------------------------------------------------------- FSDP2 + TP and Adam
@@ -410,5 +420,4 @@ def tp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
             f.write(traceback.format_exc())
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.dist_worker import leave_process_group
+
 ROWS = 6  # rows of the sharded table per rank
 WIDTH = 16
 
@@ -62,7 +64,7 @@ def train_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
             for k, v in snap.items():
                 assert torch.equal(loaded[k], v), f"step {step}: {k}"
         mgr.close()
-        dist.destroy_process_group()
+        leave_process_group()
         _finish(out_dir, rank, "ok")
     except BaseException:
         _finish(out_dir, rank, traceback.format_exc())
@@ -100,7 +102,7 @@ def change_worker(rank: int, world: int, init_file: str, root: str, out_dir: str
         repo.save_async("b", state, committer=CollectiveCommitter(group),
                         staging="overlap", max_host_bytes=32 * 1024).wait()
         repo.close()
-        dist.destroy_process_group()
+        leave_process_group()
         _finish(out_dir, rank, f"ok\n{committed}\n{outcome}")
     except BaseException:
         _finish(out_dir, rank, traceback.format_exc())

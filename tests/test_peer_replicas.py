@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.dist_worker import leave_process_group
 from tests.reliability.s3chaos import ChaosServer, moto_app
 
 
@@ -56,8 +57,7 @@ def worker(rank: int, world: int, init: str, root: str, far: str, endpoint: str,
         Path(out, f"{phase}-{rank}").write_text(traceback.format_exc())
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
 
 
 def run(world: int, tmp: Path, far: str, endpoint: str, phase: str) -> None:
