@@ -456,6 +456,12 @@ class CheckpointWriter:
                 self.overlap.sink.sync()  # what the writer process wrote: durable now too
         return refs
 
+    def confirm_sources(self) -> None:
+        """Overlapped staging: raise SourceChangedError if a source no guard covers changed
+        in place since the call (Overlap.confirm); else nothing."""
+        if self.overlap is not None:
+            self.overlap.confirm()
+
     def creation_time(self) -> float:
         """The `created` time of the manifest committed now (see `not_before`)."""
         return max(time.time(), self.not_before)
@@ -466,8 +472,7 @@ class CheckpointWriter:
         body = manifest.to_bytes()
         with self.stats.timed("commit"):
             self.store.sync()  # every blob durable before the manifest exists
-            if self.overlap is not None:
-                self.overlap.confirm()  # again, later: see Overlap.confirm
+            self.confirm_sources()  # again, later: see Overlap.confirm
             if self.before_commit is not None:
                 with self._claim_lock:
                     reused = manifest.blob_digests() - self._claimed

@@ -355,6 +355,7 @@ def save_collective(writer: CheckpointWriter | None, request: SaveRequest, group
     try:
         refs = _write_owned(writer, leaves, layouts, rank)
         writer.store.sync()
+        writer.confirm_sources()  # this rank's last check: rank 0 may commit once it reports
         status: Any = [[i, c, ref.to_json()] for (i, c), ref in sorted(refs.items())]
     except Exception as exc:  # reported to every rank below
         status = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
