@@ -19,6 +19,8 @@ every round so that a burst of load from elsewhere hits one round, not one mode:
 * <mode>:process   ... with async_writer="process" (written by a writer process from the
                    shared staging slots; overlap only)
 * <mode>@N         ... with max_host_bytes = N MiB (e.g. overlap:process@512)
+* <mode>+buffered  ... the writer process writes every blob buffered, not with O_DIRECT
+                   (what it did before O_DIRECT: an A/B within one process)
 * <mode>+ioN, +wN  ... with background_io = N, background_workers = N (e.g. copy+w8+io0,
                    what every async save did before issue 13)
 * dcp              torch.distributed.checkpoint.async_save (gloo group of world size 1)
@@ -137,12 +139,26 @@ def _manager(spec: str, args: argparse.Namespace, folder: Path) -> Any:
         options["async_writer"] = writer
     if args.workers:
         options["workers"] = args.workers
+    buffered = "buffered" in tweaks
     for tweak in tweaks:  # +io4: background_io=4, +w2: background_workers=2
-        name = "background_io" if tweak.startswith("io") else "background_workers"
-        options[name] = int(tweak.lstrip("iow"))
+        if tweak != "buffered":
+            name = "background_io" if tweak.startswith("io") else "background_workers"
+            options[name] = int(tweak.lstrip("iow"))
     mgr = CheckpointManager(folder, async_save=True, **options)
     # a first tiny save starts what a save needs once (the writer process, if any)
-    mgr.repo.save_async("warm", {"x": torch.ones(1)}).wait()
+    if buffered:  # bench-only: the pool's writer process is started with direct=False
+        import functools
+        from unittest import mock
+
+        from ckptstore.pipeline import overlap, writer_process
+        with mock.patch.object(overlap, "WriterProcess", functools.partial(
+                writer_process.WriterProcess, direct=False)):
+            mgr.repo.save_async("warm", {"x": torch.ones(1)}, staging="overlap",
+                                max_host_bytes=options["max_host_bytes"]).wait()
+        sink = mgr.repo._pool.sink if mgr.repo._pool is not None else None
+        assert sink is not None and not sink.direct, "+buffered needs a writer process"
+    else:
+        mgr.repo.save_async("warm", {"x": torch.ones(1)}).wait()
     return mgr
 
 
