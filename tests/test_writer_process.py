@@ -140,7 +140,7 @@ _PARENT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("writer_state", ["frozen mid-save", "idle"])
+@pytest.mark.parametrize("writer_state", ["frozen mid-save", "writing", "idle"])
 def test_sigkill_of_the_trainer_leaves_no_checkpoint_and_the_writer_exits(tmp_path,
                                                                          writer_state):
     path = tmp_path / "r"
@@ -156,6 +156,11 @@ def test_sigkill_of_the_trainer_leaves_no_checkpoint_and_the_writer_exits(tmp_pa
             proc.stdin.flush()
             assert proc.stdout.readline().strip() == "started"
             time.sleep(0.1)
+        elif writer_state == "writing":  # its O_DIRECT writes of 1 MiB blobs in flight
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "started"
+            time.sleep(0.03)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         os.kill(writer, signal.SIGCONT)
