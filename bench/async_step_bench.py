@@ -19,6 +19,8 @@ every round so that a burst of load from elsewhere hits one round, not one mode:
 * <mode>:process   ... with async_writer="process" (written by a writer process from the
                    shared staging slots; overlap only)
 * <mode>@N         ... with max_host_bytes = N MiB (e.g. overlap:process@512)
+* <mode>+buffered  ... the writer process writes every blob buffered, not with O_DIRECT
+                   (what it did before O_DIRECT: an A/B within one process)
 * <mode>+ioN, +wN  ... with background_io = N, background_workers = N (e.g. copy+w8+io0,
                    what every async save did before issue 13)
 * dcp              torch.distributed.checkpoint.async_save (gloo group of world size 1)
@@ -137,12 +139,26 @@ def _manager(spec: str, args: argparse.Namespace, folder: Path) -> Any:
         options["async_writer"] = writer
     if args.workers:
         options["workers"] = args.workers
+    buffered = "buffered" in tweaks
     for tweak in tweaks:  # +io4: background_io=4, +w2: background_workers=2
-        name = "background_io" if tweak.startswith("io") else "background_workers"
-        options[name] = int(tweak.lstrip("iow"))
+        if tweak != "buffered":
+            name = "background_io" if tweak.startswith("io") else "background_workers"
+            options[name] = int(tweak.lstrip("iow"))
     mgr = CheckpointManager(folder, async_save=True, **options)
     # a first tiny save starts what a save needs once (the writer process, if any)
-    mgr.repo.save_async("warm", {"x": torch.ones(1)}).wait()
+    if buffered:  # bench-only: the pool's writer process is started with direct=False
+        import functools
+        from unittest import mock
+
+        from ckptstore.pipeline import overlap, writer_process
+        with mock.patch.object(overlap, "WriterProcess", functools.partial(
+                writer_process.WriterProcess, direct=False)):
+            mgr.repo.save_async("warm", {"x": torch.ones(1)}, staging="overlap",
+                                max_host_bytes=options["max_host_bytes"]).wait()
+        sink = mgr.repo._pool.sink if mgr.repo._pool is not None else None
+        assert sink is not None and not sink.direct, "+buffered needs a writer process"
+    else:
+        mgr.repo.save_async("warm", {"x": torch.ones(1)}).wait()
     return mgr
 
 
@@ -316,12 +332,12 @@ def interleaved_table(rounds: list[dict[str, Any]], modes: list[str]) -> None:
             f"{format(med, fmt)} ({format(min(vals), fmt)}..{format(max(vals), fmt)})"
 
     print("| mode | stall: call + guard wait | inflation mean | inflation p95 | busy steps "
-          "| call -> durable |")
-    print("|---|---|---|---|---|---|")
+          "| extra step time per save | call -> durable |")
+    print("|---|---|---|---|---|---|---|")
     for mode in modes:
         if mode == "none":
             base = [_mean(r["modes"]["none"]["idle_step_ms"]) for r in rounds]
-            print(f"| none | - | {cell(base, '.0f')} ms per step | - | - | - |")
+            print(f"| none | - | {cell(base, '.0f')} ms per step | - | - | - | - |")
             continue
         figs = []
         for r in rounds:
@@ -331,14 +347,17 @@ def interleaved_table(rounds: list[dict[str, Any]], modes: list[str]) -> None:
                          "call": _mean(rec["call_ms"]), "guard": _mean(waits),
                          "mean": _mean(rec["busy_step_ms"]) / base - 1,
                          "p95": _p95(rec["busy_step_ms"]) / base - 1,
-                         "n": len(rec["busy_step_ms"]), "durable": _mean(rec["durable_s"])})
+                         "n": len(rec["busy_step_ms"]), "durable": _mean(rec["durable_s"]),
+                         # what a save costs the steps beside it in all (its stall apart)
+                         "extra": sum(b - base for b in rec["busy_step_ms"])
+                         / max(1, len(rec["call_ms"]))})
 
         def col(name: str, fmt: str, figs: list[dict[str, float]] = figs) -> str:
             return cell([f[name] for f in figs], fmt)
 
         print(f"| {mode} | {col('stall', '.0f')} ms = {col('call', '.0f')} + "
               f"{col('guard', '.0f')} | {col('mean', '+.0%')} | {col('p95', '+.0%')} | "
-              f"{col('n', '.0f')} | {col('durable', '.2f')} s |")
+              f"{col('n', '.0f')} | {col('extra', '.0f')} ms | {col('durable', '.2f')} s |")
 
 
 def round_figures(r: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
@@ -413,9 +432,15 @@ def main() -> None:
     ap.add_argument("--interleave", action="store_true",
                     help="every mode in one process per round, taking turns (no RSS)")
     ap.add_argument("--cycles", type=int, default=6, help="--interleave: saves per mode")
+    ap.add_argument("--table", default=None,
+                    help="print the table of an --interleave run's --json file, and exit")
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29531, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.table:
+        rounds = json.loads(Path(args.table).read_text())
+        interleaved_table(rounds, list(rounds[0]["modes"]))
+        return
     if args.mode == "interleaved":  # child
         print(json.dumps(run_interleaved(args)))
         return

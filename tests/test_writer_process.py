@@ -140,7 +140,7 @@ _PARENT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("writer_state", ["frozen mid-save", "idle"])
+@pytest.mark.parametrize("writer_state", ["frozen mid-save", "writing", "idle"])
 def test_sigkill_of_the_trainer_leaves_no_checkpoint_and_the_writer_exits(tmp_path,
                                                                          writer_state):
     path = tmp_path / "r"
@@ -156,6 +156,11 @@ def test_sigkill_of_the_trainer_leaves_no_checkpoint_and_the_writer_exits(tmp_pa
             proc.stdin.flush()
             assert proc.stdout.readline().strip() == "started"
             time.sleep(0.1)
+        elif writer_state == "writing":  # its O_DIRECT writes of 1 MiB blobs in flight
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "started"
+            time.sleep(0.03)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         os.kill(writer, signal.SIGCONT)
@@ -222,3 +227,173 @@ def test_a_dropped_store_stops_its_writer(tmp_path):
     del repo  # never closed
     gc.collect()
     assert wait_gone(writer)
+
+
+# ---------------------------------------------------------------- O_DIRECT writes
+def _aligned(nbytes: int) -> memoryview:
+    """`nbytes` of random bytes in a page-aligned anonymous mapping (as a shared slot is)."""
+    import mmap
+
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    view = memoryview(buf)[:nbytes]
+    view[:] = np.random.default_rng(nbytes).integers(0, 256, nbytes, np.uint8).tobytes()
+    return view
+
+
+def _cached_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (mincore(2) of a mapping)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    with path.open("rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        address = np.frombuffer(m, np.uint8).ctypes.data
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0
+        return sum(v & 1 for v in vec)
+
+
+def _skip_unless_direct_bypasses_the_cache(folder: Path) -> None:
+    """Skip where O_DIRECT writes land in the page cache anyway (tmpfs: its pages are the
+    cache), or where the file system refuses O_DIRECT: the page-cache checks below would
+    not tell direct from buffered writes there."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / "probe"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        os.write(fd, _aligned(64 * 1024))
+    except OSError as exc:
+        pytest.skip(f"O_DIRECT refused here: {exc}")
+    finally:
+        os.close(fd)
+    cached = _cached_pages(probe)
+    probe.unlink()
+    if cached:
+        pytest.skip("this file system keeps O_DIRECT writes in the page cache")
+
+
+@pytest.mark.parametrize("nbytes", [4 * MiB, 4 * MiB + 123, MiB + 4095, 300_000])
+def test_direct_store_writes_bodies_bit_exact_whatever_their_size(tmp_path, nbytes):
+    from ckptstore.stores.direct_io import DIRECT_MIN_BYTES, DirectLocalStore
+
+    store = DirectLocalStore(tmp_path / "s")
+    data = _aligned(nbytes)
+    store.put("blobs/x", data)
+    path = tmp_path / "s" / "blobs" / "x"
+    assert path.read_bytes() == data.tobytes()
+    assert store.direct_writes == (1 if nbytes >= DIRECT_MIN_BYTES else 0)
+    assert store.refused is None
+    store.sync()
+    assert not list(store.temp_files())
+
+
+def test_direct_writes_leave_the_page_cache_alone(tmp_path):
+    """O_DIRECT is really in effect: the buffered store's file is cached, the direct one's
+    is not (but for its buffered tail)."""
+    from ckptstore.stores.direct_io import DirectLocalStore
+    from ckptstore.stores.local import LocalStore
+
+    _skip_unless_direct_bypasses_the_cache(tmp_path / "probe")
+    data = _aligned(8 * MiB + 100)
+    LocalStore(tmp_path / "b").put("x", data)
+    DirectLocalStore(tmp_path / "d").put("x", data)
+    assert _cached_pages(tmp_path / "b" / "x") >= 2048
+    assert _cached_pages(tmp_path / "d" / "x") <= 1
+    assert (tmp_path / "d" / "x").read_bytes() == data.tobytes()
+
+
+def test_the_kernel_refusing_a_direct_write_falls_back_to_buffered(tmp_path, monkeypatch):
+    """O_DIRECT from a buffer that is not block-aligned: a real file system refuses it
+    (EINVAL); the body is written buffered, bit-exact, and the store stops trying."""
+    from ckptstore.stores import direct_io
+
+    base = _aligned(3 * MiB + 1)
+    unaligned = base[1:]  # one byte past a page boundary
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        reason = direct_io.write_direct(fd, unaligned)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == unaligned.tobytes()
+    if reason is None:
+        pytest.skip("this file system takes unaligned O_DIRECT writes (tmpfs)")
+    assert "O_DIRECT refused" in reason
+
+    store = direct_io.DirectLocalStore(tmp_path / "s")
+    monkeypatch.setattr(direct_io, "direct_eligible", lambda view: True)  # force the try
+    store.put("a", unaligned)
+    assert store.refused is not None and store.direct_writes == 0
+    store.put("b", _aligned(2 * MiB))  # no more tries: buffered, though it is aligned
+    assert store.direct_writes == 0
+    assert (tmp_path / "s" / "a").read_bytes() == unaligned.tobytes()
+    assert (tmp_path / "s" / "b").read_bytes() == _aligned(2 * MiB).tobytes()
+
+
+def test_a_file_system_without_o_direct_gets_buffered_writes(tmp_path, monkeypatch):
+    """Simulated: setting O_DIRECT on the descriptor fails with EINVAL, as on a file system
+    without direct IO. Every put still lands bit-exact through the store's protocol."""
+    import errno
+
+    from ckptstore.stores import direct_io
+
+    def refuse(fd: int, on: bool) -> None:
+        if on:
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(direct_io, "_set_direct", refuse)
+    store = direct_io.DirectLocalStore(tmp_path / "s")
+    for i, n in enumerate([4 * MiB, 2 * MiB + 7]):
+        data = _aligned(n)
+        store.put(f"blobs/{i}", data)
+        assert (tmp_path / "s" / "blobs" / str(i)).read_bytes() == data.tobytes()
+    assert store.refused is not None and "Invalid argument" in store.refused
+    assert store.direct_writes == 0
+    store.sync()
+    assert not list(store.temp_files())
+
+
+def test_overlapped_saves_with_direct_blobs_load_and_verify(tmp_path):
+    """Chunks of 1 MiB and more (written direct from the shared slots), with odd-sized
+    chunks, a packed small array and arrays sent inline."""
+    _skip_unless_direct_bypasses_the_cache(tmp_path / "probe")
+    repo = CheckpointStore(tmp_path / "r", chunk_bytes=2 * MiB, async_writer="process")
+    torch.manual_seed(5)
+    state = {"w": torch.randn(1301, 1031), "h": torch.randn(3, 1 << 20).half(),
+             "b": torch.randn(5), "n": np.arange(7.0)}
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v.copy()
+                for k, v in state.items()}
+    repo.save_async("a", state, staging="overlap", max_host_bytes=8 * MiB).wait()
+    blobs = [p for p in (tmp_path / "r" / "blobs").rglob("*") if p.is_file()]
+    big = [p for p in blobs if p.stat().st_size >= MiB]
+    assert len(big) >= 4 and any(p.stat().st_size % 4096 for p in big)
+    # written direct: not in the page cache (but for a buffered tail) until read
+    assert all(_cached_pages(p) <= 1 for p in big)
+    assert_same(repo.load("a"), expected)
+    assert repo.verify("a").ok
+    repo.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_writer_process_writes_slots_direct_unless_told_not_to(tmp_path, direct):
+    from ckptstore.pipeline.writer_process import SharedSlot, WriterProcess
+    from ckptstore.stores.local import LocalStore
+
+    _skip_unless_direct_bypasses_the_cache(tmp_path / "probe")
+    LocalStore(tmp_path / "r")
+    writer = WriterProcess(tmp_path / "r", 1, direct=direct)
+    slot = SharedSlot(0, 4 * MiB)
+    writer.add_slot(slot)
+    data = _aligned(3 * MiB + 5)
+    slot.array[: data.nbytes] = np.frombuffer(data, np.uint8)
+    writer.put("x", slot.array[: data.nbytes])
+    writer.sync()
+    writer.close()
+    path = tmp_path / "r" / "x"
+    cached = _cached_pages(path)
+    assert (cached <= 1) if direct else (cached >= 768)
+    assert path.read_bytes() == data.tobytes()

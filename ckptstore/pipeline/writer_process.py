@@ -13,7 +13,8 @@ Protocol, over a Unix socket pair (no pickle: JSON lines and raw bytes):
   - `{"op": "put", "id": k, "key": key, "slot": i, "offset": o, "nbytes": n}`: write bytes
     [o, o + n) of slot i as object `key`; or `{"op": "put", "id": k, "key": key,
     "inline": n}` followed by n raw bytes (data that is not in a slot: packs of small
-    arrays, compressed chunks).
+    arrays, compressed chunks). Large blobs in a slot are written with O_DIRECT from the
+    slot itself (stores/direct_io.py: no page-cache copy; buffered where refused).
   - `{"op": "sync", "id": k}`: make every object written so far durable (`store.sync()`).
 * writer -> parent: `{"id": k}` when request k is done, or `{"id": k, "error": {"type":
   ..., "message": ..., "errno": ...}}`.
@@ -49,6 +50,7 @@ import numpy as np
 
 from ..errors import DurabilityError, StoreAccessError, StoreError
 from ..stores.base import Buffer
+from ..stores.direct_io import DirectLocalStore
 from ..stores.local import LocalStore
 
 _ERRORS: dict[str, type[StoreError]] = {
@@ -157,9 +159,11 @@ class WriterProcess:
     """The parent's end: `put()` and `sync()` run in the writer process; thread-safe (many
     requests may be in flight). Shared slots are registered with `add_slot()`."""
 
-    def __init__(self, root: Path, threads: int = 1) -> None:
+    def __init__(self, root: Path, threads: int = 1, direct: bool = True) -> None:
         self.root = root
         self.threads = threads
+        #: write large slot blobs with O_DIRECT (stores/direct_io.py); False: all buffered
+        self.direct = direct
         self._lock = threading.Lock()  # the connection, its pending requests, the slots
         self._ids = itertools.count()
         self._slots: list[SharedSlot] = []
@@ -192,7 +196,8 @@ class WriterProcess:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD_MAIN,
-                 str(theirs.fileno()), str(self.root), str(self.threads)],
+                 str(theirs.fileno()), str(self.root), str(self.threads),
+                 "direct" if self.direct else "buffered"],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, env=env)
         except BaseException:
@@ -322,13 +327,13 @@ def _watch_parent(parent: int) -> None:
     os._exit(0)
 
 
-def serve(fd: int, root: str, threads: int) -> None:
-    """The writer's main loop (module docstring)."""
+def serve(fd: int, root: str, threads: int, direct: bool = True) -> None:
+    """The writer's main loop (module docstring); `direct`: O_DIRECT for large blobs."""
     parent = os.getppid()
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     sock = socket.socket(fileno=fd)
     channel = _Channel(sock)
-    store = LocalStore(root, create=False)
+    store = DirectLocalStore(root, create=False) if direct else LocalStore(root, create=False)
     maps: dict[int, memoryview] = {}
     send_lock = threading.Lock()
     in_flight: list[cf.Future[None]] = []
@@ -371,6 +376,7 @@ def serve(fd: int, root: str, threads: int) -> None:
 
 
 def main() -> None:
-    """Entry point of the writer process: argv = socket fd, store folder, threads."""
+    """Entry point of the writer process: argv = socket fd, store folder, threads,
+    "direct" or "buffered"."""
     fd, root, threads = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    serve(fd, root, threads)
+    serve(fd, root, threads, direct=sys.argv[4:5] != ["buffered"])

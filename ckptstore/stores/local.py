@@ -246,10 +246,7 @@ class LocalStore(Store):
         except OSError as exc:
             raise _fs_error(exc, f"cannot create a temp file for {self._show(key)}") from exc
         try:
-            view = memoryview(data).cast("B")
-            written = 0
-            while written < len(view):
-                written += os.write(fd, view[written:])
+            self._write_body(fd, memoryview(data).cast("B"))
             _fsync(fd, f"a temp file for {self._show(key)}")
         except BaseException as exc:
             os.close(fd)
@@ -259,6 +256,12 @@ class LocalStore(Store):
             raise
         os.close(fd)
         return tmp
+
+    def _write_body(self, fd: int, view: memoryview) -> None:
+        """Write all of `view` to the fresh temp file `fd` (stores/direct_io.py overrides)."""
+        written = 0
+        while written < len(view):
+            written += os.write(fd, view[written:])
 
     # -- reads ---------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
