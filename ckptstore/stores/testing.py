@@ -206,6 +206,70 @@ class StoreTests:
         assert len(list(store.list("c/"))) == 16
 
 
+    def test_deferred_puts_are_durable_and_visible_after_commit(self, store: Store) -> None:
+        store.put("d/replaced", b"old")
+        batch = store.deferred()
+        batch.put("d/a", b"first")
+        batch.put("d/deep/b", memoryview(b"xxsecondxx")[2:-2])
+        batch.put("d/replaced", b"new")
+        batch.put("d/empty", b"")
+        for key, new in [("d/a", b"first"), ("d/replaced", b"new")]:
+            # before the commit: absent, the old object or already the new bytes
+            assert not store.exists(key) or store.get(key) in (b"old", new)
+        batch.commit()
+        assert self.raw_get(store, "d/a") == b"first"
+        assert self.raw_get(store, "d/deep/b") == b"second"
+        assert self.raw_get(store, "d/replaced") == b"new"
+        assert store.get("d/empty") == b""
+        assert sorted(i.key for i in store.list("d/")) == [
+            "d/a", "d/deep/b", "d/empty", "d/replaced"]
+        batch.put("d/after", b"reused")  # a committed batch takes more puts
+        batch.commit()
+        assert store.get("d/after") == b"reused"
+
+    def test_deferred_puts_from_many_threads(self, store: Store) -> None:
+        errors: list[BaseException] = []
+        with store.deferred() as batch:
+
+            def work(i: int) -> None:
+                try:
+                    batch.put(f"dt/{i}", bytes([i]) * (1000 + i))
+                except BaseException as exc:  # surfaced below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert not errors
+        assert {i.key: i.size for i in store.list("dt/")} == {
+            f"dt/{i}": 1000 + i for i in range(12)}
+        assert store.get("dt/7") == bytes([7]) * 1007
+
+    def test_abandoned_deferred_puts_leave_nothing_half_written(self, store: Store) -> None:
+        store.put("ab/kept", b"old")
+        with pytest.raises(KeyError):
+            with store.deferred() as batch:
+                batch.put("ab/kept", b"new")
+                batch.put("ab/other", b"other")
+                raise KeyError("the writer failed")
+        # each key holds its old object, or (backends whose puts are durable on return) the
+        # whole new one; nothing else is listed
+        assert store.get("ab/kept") in (b"old", b"new")
+        listed = {i.key for i in store.list("ab/")}
+        assert listed <= {"ab/kept", "ab/other"}
+        if "ab/other" in listed:
+            assert store.get("ab/other") == b"other"
+
+    def test_deferred_puts_refuse_hostile_keys(self, store: Store) -> None:
+        batch = store.deferred()
+        for bad in ["../escape", "/abs", "a//b"]:
+            with pytest.raises(InvalidNameError):
+                batch.put(bad, b"x")
+        batch.commit()
+
+
 class S3StoreTests(StoreTests):
     """StoreTests for an S3Store: the raw accessors go through the store's own boto3 client
     to the same bucket and key prefix. Subclasses provide only the `store` fixture."""
