@@ -108,7 +108,7 @@ def write_partition(
         if n == 0:
             return {**head, "prefix": prefix, "num_samples": 0}
         sub = writer.finish_arrays()
-        writer.store.sync()
+        writer.commit_writes()
     finally:
         writer.abandon()
     return {**head, "prefix": prefix, **sub.part_body()}
@@ -230,8 +230,10 @@ def gc_partitions(
 ) -> list[str]:
     """Delete orphan partitions: ``parts/<i>/`` prefixes the committed ``dataset.json`` does not
     list (all of them if there is none), whose newest object is older than `grace_seconds`.
-    Returns the deleted prefixes. The grace period must exceed the longest write + commit of
-    a job still running: a partition younger than it may be about to be committed."""
+    Returns the deleted prefixes. Temp files that writers killed mid-write left anywhere in
+    the store (local folders), older than `grace_seconds` too, are deleted as well. The grace
+    period must exceed the longest write + commit of a job still running: a partition younger
+    than it may be about to be committed."""
     store = open_store(uri, **dict(store_options or {}))
     try:
         keep: set[str] = set()
@@ -253,10 +255,21 @@ def gc_partitions(
             for prefix in doomed:
                 for key in keys[prefix]:
                     store.delete(key)
+            _delete_old_temps(store, now - grace_seconds)
         return doomed
     finally:
         if not isinstance(uri, Store):
             store.close()
+
+
+def _delete_old_temps(store: Store, cutoff: float) -> None:
+    """Delete the temp files (of stores that have them) last written at or before `cutoff`."""
+    temp_files = getattr(store, "temp_files", None)
+    if temp_files is None:
+        return
+    for info in list(temp_files()):
+        if info.mtime <= cutoff:
+            store.delete_temp(info.key)  # type: ignore[attr-defined]
 
 
 # -- the same API driven by threads -----------------------------------------------------
