@@ -21,6 +21,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 
+import numpy as np
 from zarr.abc.store import (
     ByteRequest,
     OffsetByteRequest,
@@ -80,7 +81,7 @@ class ZarrStoreAdapter(ZarrStore):
             self._put(key, self.held[key])
         self.held.clear()
 
-    def _put(self, key: str, data: bytes) -> None:
+    def _put(self, key: str, data: bytes | memoryview) -> None:
         if self.writes is None:
             self.store.put(key, data)
         else:
@@ -161,13 +162,14 @@ class ZarrStoreAdapter(ZarrStore):
 
     async def set(self, key: str, value: Buffer) -> None:
         self._check_writable()
-        data = value.as_numpy_array().tobytes()
+        # zarr's own buffer, not a copy: the put has written it before this returns
+        data = np.ascontiguousarray(value.as_numpy_array()).data.cast("B")
         full = self._key(key)
         if self.on_set is not None:
-            self.on_set(full, memoryview(data))
+            self.on_set(full, data)
         if self._is_held(key):
             assert self.held is not None
-            self.held[full] = data
+            self.held[full] = bytes(data)
             return
         await asyncio.to_thread(self._put, full, data)
 
@@ -217,7 +219,7 @@ class _Deferred:
         self.nbytes = 0
         self._lock = threading.Lock()
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         with self._lock:
             self.keys.add(key)
             self.nbytes += len(data)
