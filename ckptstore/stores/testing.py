@@ -14,6 +14,7 @@ The contract itself is stated in `ckptstore.stores.base`. Needs pytest (a test d
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -187,22 +188,12 @@ class StoreTests:
 
 
     def test_concurrent_puts_and_gets(self, store: Store) -> None:
-        errors: list[BaseException] = []
-
         def work(i: int) -> None:
-            try:
-                payload = bytes([i]) * (1000 + i)
-                store.put(f"c/{i}", payload)
-                assert store.get(f"c/{i}") == payload
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
+            payload = bytes([i]) * (1000 + i)
+            store.put(f"c/{i}", payload)
+            assert store.get(f"c/{i}") == payload
 
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors
+        _in_threads(16, work)
         assert len(list(store.list("c/"))) == 16
 
 
@@ -228,21 +219,8 @@ class StoreTests:
         assert store.get("d/after") == b"reused"
 
     def test_deferred_puts_from_many_threads(self, store: Store) -> None:
-        errors: list[BaseException] = []
         with store.deferred() as batch:
-
-            def work(i: int) -> None:
-                try:
-                    batch.put(f"dt/{i}", bytes([i]) * (1000 + i))
-                except BaseException as exc:  # surfaced below
-                    errors.append(exc)
-
-            threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        assert not errors
+            _in_threads(12, lambda i: batch.put(f"dt/{i}", bytes([i]) * (1000 + i)))
         assert {i.key: i.size for i in store.list("dt/")} == {
             f"dt/{i}": 1000 + i for i in range(12)}
         assert store.get("dt/7") == bytes([7]) * 1007
@@ -282,6 +260,25 @@ class S3StoreTests(StoreTests):
     def raw_put(self, store: Store, key: str, data: bytes) -> None:
         s3 = _s3(store)
         s3.client.put_object(Bucket=s3.bucket, Key=s3._key(key), Body=data)
+
+
+def _in_threads(n: int, work: Callable[[int], None]) -> None:
+    """Run work(0), ..., work(n - 1) in n threads at once; raise the first failure."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:  # raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def _s3(store: Store) -> Any:
