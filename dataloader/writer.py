@@ -594,11 +594,8 @@ class DatasetWriter:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is None and not self._closed:
             self.close()
-        elif not self._closed:
-            self._closed = True  # abandoned: no index, the dataset stays invisible
-            self._adapter.abandon_writes()
-            if self._owns_store:
-                self.store.close()
+        else:
+            self.abandon()  # no index: the dataset stays invisible
 
 
 def infer_specs(i: int, sample: Mapping[str, Any], schema: Mapping[str, str]) -> dict[str, _Spec]:
