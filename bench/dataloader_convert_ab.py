@@ -9,8 +9,10 @@ Each round runs, for each data set and storage, mosaic's `MDSWriter` and ours (e
 and with --before also ours from another source tree (a `git archive` of an older commit whose
 bench/dataloader/ runners are replaced by this tree's), each in a fresh subprocess, in an order
 rotated every round. Prints a table per cell: median MB/s over the rounds and the ratio of
-medians to mosaic. Storage `s3`: a moto server on 127.0.0.1 (mosaic writes locally, then
-uploads with boto3; ours writes to S3).
+medians to mosaic, and the raw limits measured at the start of every round (200 MB of 16 MiB
+files written and fsynced by 1 and 2 threads; 16 MiB puts to the moto server by 2
+threads). Storage `s3`: a moto server on 127.0.0.1 (mosaic writes locally, then uploads with
+boto3; ours writes to S3).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "dataloader"))
 sys.path.insert(0, str(HERE))
 
+import limits  # noqa: E402
 import servers  # noqa: E402
 import synth  # noqa: E402
 from dataloader_bench import run_runner  # noqa: E402
@@ -60,8 +63,21 @@ def main() -> int:
     server, endpoint = servers.start_moto() if "s3" in args.storage else (None, None)
     times: dict[tuple[str, str, str], list[float]] = {}
     sizes: dict[str, int] = {}
+    raw: dict[str, list[float]] = {}
     try:
         for r in range(args.rounds):
+            for t in (1, 2):
+                raw.setdefault(f"disk write+fsync, {t} thread(s)", []).append(
+                    limits.disk_write_mb_s(work / "raw", 200_000_000, t))
+            if endpoint is not None:
+                import boto3
+
+                bucket = f"raw-{uuid.uuid4().hex[:10]}"
+                boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+                raw.setdefault("moto put 16 MiB, 2 threads", []).append(
+                    limits.s3_put_mb_s(endpoint, bucket, 200_000_000, 2))
+            print("raw limits so far:", {k: [round(v) for v in vs] for k, vs in raw.items()},
+                  flush=True)
             for kind in args.kinds.split(","):
                 n = synth.count(kind, args.scale)
                 sizes[kind] = (n * synth.SEQ * 4 if kind == "tokens"
@@ -111,8 +127,11 @@ def main() -> int:
         runs = ", ".join(f"{s:.2f}" for s in row["runs_s"])
         print(f"| {row['kind']} | {row['storage']} | {row['writer']} | {runs} | "
               f"{row['median_mb_per_s']:,.0f} | {row['vs_mosaic']:.2f}x |")
+    for name, vals in raw.items():
+        print(f"raw limit, {name}: {', '.join(f'{v:,.0f}' for v in vals)} MB/s "
+              f"(median {statistics.median(vals):,.0f})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+    Path(args.out).write_text(json.dumps({"cells": rows, "raw_mb_per_s": raw}, indent=1))
     return 0
 
 

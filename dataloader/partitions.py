@@ -26,8 +26,6 @@ collection) and its two local drivers (threads, forked processes) share the rece
 from __future__ import annotations
 
 import itertools
-import json
-import multiprocessing
 import os
 import time
 from collections import deque
@@ -40,6 +38,7 @@ from ckptstore.errors import FormatError, ObjectExistsError, ObjectNotFoundError
 from ckptstore.format.hashing import HASH_NAME, digest
 from ckptstore.stores import Store, open_store
 
+from .forked import run_forked
 from .format import (
     FORMAT_NAME,
     INDEX_KEY,
@@ -108,7 +107,7 @@ def write_partition(
         if n == 0:
             return {**head, "prefix": prefix, "num_samples": 0}
         sub = writer.finish_arrays()
-        writer.store.sync()
+        writer.commit_writes()
     finally:
         writer.abandon()
     return {**head, "prefix": prefix, **sub.part_body()}
@@ -230,8 +229,10 @@ def gc_partitions(
 ) -> list[str]:
     """Delete orphan partitions: ``parts/<i>/`` prefixes the committed ``dataset.json`` does not
     list (all of them if there is none), whose newest object is older than `grace_seconds`.
-    Returns the deleted prefixes. The grace period must exceed the longest write + commit of
-    a job still running: a partition younger than it may be about to be committed."""
+    Returns the deleted prefixes. Temp files that writers killed mid-write left anywhere in
+    the store (local folders), older than `grace_seconds` too, are deleted as well. The grace
+    period must exceed the longest write + commit of a job still running: a partition younger
+    than it may be about to be committed."""
     store = open_store(uri, **dict(store_options or {}))
     try:
         keep: set[str] = set()
@@ -253,10 +254,21 @@ def gc_partitions(
             for prefix in doomed:
                 for key in keys[prefix]:
                     store.delete(key)
+            _delete_old_temps(store, now - grace_seconds)
         return doomed
     finally:
         if not isinstance(uri, Store):
             store.close()
+
+
+def _delete_old_temps(store: Store, cutoff: float) -> None:
+    """Delete the temp files (of stores that have them) last written at or before `cutoff`."""
+    temp_files = getattr(store, "temp_files", None)
+    if temp_files is None:
+        return
+    for info in list(temp_files()):
+        if info.mtime <= cutoff:
+            store.delete_temp(info.key)  # type: ignore[attr-defined]
 
 
 # -- the same API driven by threads -----------------------------------------------------
@@ -378,52 +390,21 @@ def _write_forked(
 ) -> list[dict[str, Any]]:
     """Partitions written by `workers` forked processes (partition p by child p % workers).
     Only bytes cross the pipes (JSON receipts, error text): nothing is pickled."""
-    ctx = multiprocessing.get_context("fork")
     count = max(1, -(-len(samples) // per_part))
     workers = min(workers, count)
 
-    def child(k: int, conn: Any) -> None:
-        try:
-            for p in range(k, count, workers):
-                part = samples[p * per_part : (p + 1) * per_part]
-                receipt = write_partition(uri, p, part, first_sample=p * per_part, **opts)
-                conn.send_bytes(json.dumps(receipt).encode())
-        except BaseException as exc:  # reported to the parent, which raises
-            conn.send_bytes(b"!" + f"partition write failed: {type(exc).__name__}: {exc}".encode())
-        finally:
-            conn.close()
+    def write_every_kth(k: int) -> Iterator[dict[str, Any]]:
+        for p in range(k, count, workers):
+            part = samples[p * per_part : (p + 1) * per_part]
+            yield write_partition(uri, p, part, first_sample=p * per_part, **opts)
 
-    conns, procs = [], []
-    try:
-        for k in range(workers):
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=child, args=(k, send), daemon=True)
-            proc.start()
-            send.close()
-            conns.append(recv)
-            procs.append(proc)
-        receipts: list[dict[str, Any]] = []
-        for conn in conns:
-            while True:
-                try:
-                    raw = conn.recv_bytes()
-                except EOFError:
-                    break
-                if raw.startswith(b"!"):
-                    raise RuntimeError(raw[1:].decode(errors="replace"))
-                receipts.append(json.loads(raw))
-        for proc in procs:
-            proc.join()
-            if proc.exitcode != 0:
-                raise RuntimeError(f"a writer process exited with code {proc.exitcode}")
-        if len(receipts) != count:
-            raise RuntimeError(f"{count - len(receipts)} partition(s) were not written")
-        return receipts
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    receipts = run_forked(
+        workers, write_every_kth, what="writer",
+        error=lambda kind, msg: RuntimeError(f"partition write failed: {kind}: {msg}"),
+    )
+    if len(receipts) != count:
+        raise RuntimeError(f"{count - len(receipts)} partition(s) were not written")
+    return receipts
 
 
 def _clear_target(store: Store, overwrite: bool) -> None:

@@ -198,38 +198,58 @@ class BlockReader:
     def _submit_shard_indexes(
         self, chunks: Sequence[ChunkId], executor: Executor
     ) -> list[Future[Any]]:
-        shards = [s for s in self.shards_for(chunks) if s not in self._indexes]
-        return [executor.submit(self.shard_index, p, s) for p, s in shards]
+        """The requests for the shard indexes `chunks` need that are neither cached nor
+        recorded in the index (recorded ones are taken at once: no request)."""
+        futures = []
+        for p, s in self.shards_for(chunks):
+            if (p, s) in self._indexes:
+                continue
+            if self.index.arrays[p].shards[s].table is not None:
+                self.shard_index(p, s)
+            else:
+                futures.append(executor.submit(self.shard_index, p, s))
+        return futures
 
     def _submit_fetches(
-        self, chunks: Sequence[ChunkId], executor: Executor
+        self, chunks: Sequence[ChunkId], executor: Executor, decode: bool = True
     ) -> tuple[dict[ChunkId, np.ndarray], list[Future[Any]]]:
-        """Chunks served from the cache, and the submitted (merged) reads of the others."""
+        """Chunks served from the cache, and the submitted (merged) reads of the others. Each
+        future gives ((array, chunk), array) pairs; with `decode=False`, (_Part, verified bytes)
+        pairs for `_decode_parts` (cache hits among them: nothing is decoded)."""
         parts = [self._part(p, c) for p, c in chunks]
         decoded: dict[ChunkId, np.ndarray] = {}
+        futures: list[Future[Any]] = []
         if self.cache is not None:
-            hits = _wait_all([executor.submit(self._from_cache, part) for part in parts])
-            misses = []
+            lookup = self._from_cache if decode else self._cached_bytes
+            hits = _wait_all([executor.submit(lookup, part) for part in parts])
+            misses, raw = [], []
             for part, fut in zip(parts, hits, strict=True):
-                arr = fut.result()
-                if arr is None:
+                found = fut.result()
+                if found is None:
                     misses.append(part)
+                elif decode:
+                    decoded[(part.path, part.chunk)] = found
                 else:
-                    decoded[(part.path, part.chunk)] = arr
+                    raw.append((part, found))
             parts = misses
+            if raw:
+                futures.append(_done(raw))
         by_key: dict[str, list[tuple[int, int, _Part]]] = {}
         for part in parts:
             by_key.setdefault(part.key, []).append((part.offset, part.nbytes, part))
-        futures = [
-            executor.submit(self._fetch, key, req)
+        futures += [
+            executor.submit(self._fetch if decode else self._read, key, req)
             for key, items in by_key.items()
             for req in merge_ranges(items, self.merge_gap, self.max_request)
         ]
         return decoded, futures
 
     def _load_partitioned(self, blocks: Sequence[int], executor: Executor) -> list[Block]:
-        """Blocks of several partitions: every partition's shard indexes, then every
-        partition's reads, are in flight together (one round trip each, as for v1)."""
+        """Blocks of several partitions, in one round trip where the index records the shard
+        tables: the `zarr.json` checks of partitions read for the first time and every chunk
+        read are in flight together, and chunks are decoded only once their partition's checks
+        passed (a failed check fails the read; nothing unchecked is decoded or returned).
+        Partitions whose shard indexes must be fetched read their chunks after that."""
         where = np.searchsorted(self._part_start, np.asarray(blocks, dtype=np.int64), "right") - 1
         wanted: dict[int, list[int]] = {}
         for b, p in zip(blocks, where.tolist(), strict=True):
@@ -240,17 +260,34 @@ class BlockReader:
             for p in chunks if not self._parts[p]._meta_checked
             for path in self._parts[p].metadata_paths()
         ]
-        index_jobs = [self._parts[p]._submit_shard_indexes(c, executor) for p, c in chunks.items()]
-        _wait_all([f for _, f in checks] + [f for jobs in index_jobs for f in jobs])
-        for p in {p for p, _ in checks}:  # every path of p was checked: before any decode
-            self._parts[p]._meta_checked = True
+        unchecked = {p for p, _ in checks}
+        index_jobs = {p: self._parts[p]._submit_shard_indexes(c, executor)
+                      for p, c in chunks.items()}
         decoded: dict[int, dict[ChunkId, np.ndarray]] = {}
-        futures: list[tuple[int, Future[Any]]] = []
-        for p, c in chunks.items():
-            decoded[p], futs = self._parts[p]._submit_fetches(c, executor)
-            futures += [(p, f) for f in futs]
-        _wait_all([f for _, f in futures])
-        for p, fut in futures:
+        reads: list[tuple[int, Future[Any]]] = []  # give decoded chunks
+        early: list[tuple[int, Future[Any]]] = []  # give verified bytes, decoded after checks
+        try:
+            for p, c in chunks.items():
+                if not index_jobs[p]:  # every location known: read now, with the checks
+                    decoded[p], futs = self._parts[p]._submit_fetches(
+                        c, executor, decode=p not in unchecked)
+                    (early if p in unchecked else reads).extend((p, f) for f in futs)
+            _wait_all([f for _, f in checks] + [f for jobs in index_jobs.values() for f in jobs])
+            for p in unchecked:  # every path of p was checked: before any decode
+                self._parts[p]._meta_checked = True
+            for p, c in chunks.items():
+                if index_jobs[p]:
+                    decoded[p], futs = self._parts[p]._submit_fetches(c, executor)
+                    reads += [(p, f) for f in futs]
+            _wait_all([f for _, f in early])
+            reads += [(p, executor.submit(self._parts[p]._decode_parts, f.result()))
+                      for p, f in early]
+            _wait_all([f for _, f in reads])
+        except BaseException:
+            for _, fut in early + reads:
+                fut.cancel()
+            raise
+        for p, fut in reads:
             decoded[p].update(fut.result())
         return [
             self._parts[p]._assemble(int(b) - int(self._part_start[p]), decoded[p])
@@ -272,6 +309,11 @@ class BlockReader:
                 self._meta_checked = True
 
     def _fetch(self, key: str, req: MergedRange[_Part]) -> list[tuple[ChunkId, np.ndarray]]:
+        return self._decode_parts(self._read(key, req))
+
+    def _read(self, key: str, req: MergedRange[_Part]) -> list[tuple[_Part, memoryview]]:
+        """One merged ranged read: each chunk's bytes, verified against its digest (a
+        mismatch is re-fetched once, then raises IntegrityError)."""
         buf = np.empty(req.length, dtype=np.uint8)  # not zero-filled
         mv: memoryview = buf.data
         try:
@@ -290,16 +332,24 @@ class BlockReader:
                 data = memoryview(self._refetch(part))
             elif self.cache is not None:
                 self.cache.put(part.digest, data)
-            out.append(((part.path, part.chunk), self._decode(part.path, data)))
+            out.append((part, data))
         return out
 
-    def _from_cache(self, part: _Part) -> np.ndarray | None:
+    def _decode_parts(self, got: list[tuple[_Part, memoryview]]
+                      ) -> list[tuple[ChunkId, np.ndarray]]:
+        return [((part.path, part.chunk), self._decode(part.path, data)) for part, data in got]
+
+    def _cached_bytes(self, part: _Part) -> memoryview | None:
         assert self.cache is not None
         data = self.cache.get(part.digest)
         if data is None:
             return None
         self.metrics.add_cache_hit(len(data))
-        return self._decode(part.path, memoryview(data))
+        return memoryview(data)
+
+    def _from_cache(self, part: _Part) -> np.ndarray | None:
+        data = self._cached_bytes(part)
+        return None if data is None else self._decode(part.path, data)
 
     def _refetch(self, part: _Part) -> bytes:
         """Second (and last) try of one chunk whose bytes did not match."""
@@ -382,6 +432,12 @@ def _wait_all(futures: list[Future[Any]]) -> list[Future[Any]]:
                 other.cancel()
             raise
     return futures
+
+
+def _done(result: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(result)
+    return fut
 
 
 class InlineExecutor(Executor):

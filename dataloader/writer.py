@@ -51,6 +51,7 @@ __all__ = ["DatasetWriter", "write_dataset"]
 _PROBE_SAMPLES = 1024
 _PROBE_BYTES = 32 << 20
 _MAX_CHUNKS_PER_SHARD = 1024
+_COMMIT_BYTES = 256 << 20  # a deferred batch is committed once this much waits (memory, fds)
 
 
 @dataclass
@@ -320,7 +321,8 @@ class DatasetWriter:
         self._arrays: dict[str, _ArrayWriter] = {}
         adapter = _KeepingAdapter if self._prefix else ZarrStoreAdapter
         # zarr.json objects are written once, in their final form, by finish_arrays
-        self._adapter = adapter.holding_metadata(self.store, self._prefix, on_set=self._on_set)
+        self._adapter = adapter.holding_metadata(self.store, self._prefix, on_set=self._on_set,
+                                                 deferred=True)
         self._group: zarr.Group | None = None
         self._specs: dict[str, _Spec] | None = None
         self._probe_specs: dict[str, _Spec] | None = None
@@ -503,6 +505,8 @@ class DatasetWriter:
                 self._arrays[f"{name}/data"].append(data)
                 self._data_len[name] = start + int(lengths.sum())
                 self._bounds[name].append(self._data_len[name])
+        if self._adapter.uncommitted_bytes >= _COMMIT_BYTES:  # bound what waits for a commit
+            self._adapter.commit_writes()
 
     # -- commit ---------------------------------------------------------------------------
     def close(self) -> DatasetIndex:
@@ -514,7 +518,7 @@ class DatasetWriter:
                 f"the dataset index would be {len(raw):,} bytes, over the {MAX_INDEX_BYTES:,}-byte"
                 " limit readers accept (use larger chunks and shards)"
             )
-        self.store.sync()
+        self.commit_writes()
         self.store.create(INDEX_KEY, raw)
         self._closed = True
         if self._owns_store:
@@ -570,10 +574,17 @@ class DatasetWriter:
         )
         return index
 
+    def commit_writes(self) -> None:
+        """Make every object written so far durable: the writer puts through a deferred batch
+        (`Store.deferred`), so a partition or dataset pays for its fsyncs once, together."""
+        self._adapter.commit_writes()
+
     def abandon(self) -> None:
-        """Stop without committing (closes the store if this writer opened it)."""
+        """Stop without committing (closes the store if this writer opened it); objects not
+        yet made durable by `commit_writes` are dropped."""
         if not self._closed:
             self._closed = True
+            self._adapter.abandon_writes()
             if self._owns_store:
                 self.store.close()
 
@@ -583,10 +594,8 @@ class DatasetWriter:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is None and not self._closed:
             self.close()
-        elif not self._closed:
-            self._closed = True  # abandoned: no index, the dataset stays invisible
-            if self._owns_store:
-                self.store.close()
+        else:
+            self.abandon()  # no index: the dataset stays invisible
 
 
 def infer_specs(i: int, sample: Mapping[str, Any], schema: Mapping[str, str]) -> dict[str, _Spec]:
@@ -622,9 +631,6 @@ class _KeepingAdapter(ZarrStoreAdapter):
 
     async def delete(self, key: str) -> None:
         return None
-
-    def with_read_only(self, read_only: bool = False) -> ZarrStoreAdapter:
-        return _KeepingAdapter(self.store, self.prefix, read_only, self.on_set, self.held)
 
 
 def choose_rows_per_chunk(

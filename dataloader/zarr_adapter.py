@@ -6,16 +6,22 @@ ckptstore keys for valid field names). Every ``set`` is a whole-object ``Store.p
 that an adapter made by `holding_metadata` keeps the ``zarr.json`` objects in memory (and serves
 them from there) until `flush_metadata()` writes each one once, in its final form: zarr rewrites
 an array's metadata on every resize, and each rewrite would be a durable put (an fsync, or an S3
-request). An optional ``on_set(key, data)`` hook sees the exact bytes written (the writer
-uses it to digest each chunk inside a shard without reading anything back). Reads serve zarr
+request). Such an adapter may also put through one `Store.deferred()` batch (`deferred=True`):
+objects become durable and visible together at `commit_writes()` (locally: the fsyncs run in
+the background and are waited for once); reading an object written since the last commit
+raises instead of returning its old bytes or none. An optional ``on_set(key, data)`` hook
+sees the exact bytes written (the writer uses it to digest each chunk inside a shard without
+reading anything back). Reads serve zarr
 itself (validation, tests); the streaming read path does not go through zarr.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 
+import numpy as np
 from zarr.abc.store import (
     ByteRequest,
     OffsetByteRequest,
@@ -27,6 +33,7 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from ckptstore.errors import ObjectNotFoundError
 from ckptstore.stores import Store
+from ckptstore.stores.base import DeferredPuts
 
 OnSet = Callable[[str, memoryview], None]
 
@@ -46,6 +53,7 @@ class ZarrStoreAdapter(ZarrStore):
         read_only: bool = False,
         on_set: OnSet | None = None,
         held: dict[str, bytes] | None = None,
+        writes: _Deferred | None = None,
     ) -> None:
         super().__init__(read_only=read_only)
         self.store = store
@@ -54,21 +62,48 @@ class ZarrStoreAdapter(ZarrStore):
         # held zarr.json objects (full key -> bytes), shared with with_read_only() copies;
         # None: metadata is written through like any other key
         self.held = held
+        # the deferred batch objects are put through (shared with copies); None: plain puts
+        self.writes = writes
 
     @classmethod
     def holding_metadata(
-        cls, store: Store, prefix: str = "", on_set: OnSet | None = None
+        cls, store: Store, prefix: str = "", on_set: OnSet | None = None, deferred: bool = False
     ) -> ZarrStoreAdapter:
-        """An adapter that keeps zarr.json objects until `flush_metadata()`."""
-        return cls(store, prefix, False, on_set, {})
+        """An adapter that keeps zarr.json objects until `flush_metadata()` and, if
+        `deferred`, puts through a deferred batch made durable by `commit_writes()`."""
+        return cls(store, prefix, False, on_set, {}, _Deferred(store) if deferred else None)
 
     def flush_metadata(self) -> None:
         """Write every held zarr.json (its last version), in key order; keep holding."""
         if self.held is None:
             return
         for key in sorted(self.held):
-            self.store.put(key, self.held[key])
+            self._put(key, self.held[key])
         self.held.clear()
+
+    def _put(self, key: str, data: bytes | memoryview) -> None:
+        if self.writes is None:
+            self.store.put(key, data)
+        else:
+            self.writes.put(key, data)
+
+    @property
+    def uncommitted_bytes(self) -> int:
+        """Bytes put since the last `commit_writes()` (0 without a deferred batch)."""
+        return 0 if self.writes is None else self.writes.nbytes
+
+    def commit_writes(self) -> None:
+        """Make every object written so far durable (and visible): commit the deferred
+        batch, or `sync()` the store. DurabilityError if that fails."""
+        if self.writes is None:
+            self.store.sync()
+        else:
+            self.writes.commit()
+
+    def abandon_writes(self) -> None:
+        """Drop the deferred objects not yet committed (nothing to do without a batch)."""
+        if self.writes is not None:
+            self.writes.batch.abandon()
 
     def _is_held(self, key: str) -> bool:
         return self.held is not None and (key == "zarr.json" or key.endswith("/zarr.json"))
@@ -87,7 +122,7 @@ class ZarrStoreAdapter(ZarrStore):
         return hash((id(self.store), self.prefix))
 
     def with_read_only(self, read_only: bool = False) -> ZarrStoreAdapter:
-        return ZarrStoreAdapter(self.store, self.prefix, read_only, self.on_set, self.held)
+        return type(self)(self.store, self.prefix, read_only, self.on_set, self.held, self.writes)
 
     async def get(
         self,
@@ -101,6 +136,8 @@ class ZarrStoreAdapter(ZarrStore):
             if byte_range is not None:  # zarr reads metadata whole; ranges for completeness
                 held = _slice(held, byte_range)
             return prototype.buffer.from_bytes(held)
+        if self.writes is not None:
+            self.writes.check_readable(self._key(key))
         try:
             data = await asyncio.to_thread(self._get_sync, self._key(key), byte_range)
         except ObjectNotFoundError:
@@ -125,15 +162,16 @@ class ZarrStoreAdapter(ZarrStore):
 
     async def set(self, key: str, value: Buffer) -> None:
         self._check_writable()
-        data = value.as_numpy_array().tobytes()
+        # zarr's own buffer, not a copy: the put has written it before this returns
+        data = np.ascontiguousarray(value.as_numpy_array()).data.cast("B")
         full = self._key(key)
         if self.on_set is not None:
-            self.on_set(full, memoryview(data))
+            self.on_set(full, data)
         if self._is_held(key):
             assert self.held is not None
-            self.held[full] = data
+            self.held[full] = bytes(data)
             return
-        await asyncio.to_thread(self.store.put, full, data)
+        await asyncio.to_thread(self._put, full, data)
 
     async def delete(self, key: str) -> None:
         self._check_writable()
@@ -170,6 +208,36 @@ class ZarrStoreAdapter(ZarrStore):
             if head and head not in seen:
                 seen.add(head)
                 yield head
+
+
+class _Deferred:
+    """One deferred batch of an adapter, with the keys and bytes put since its last commit."""
+
+    def __init__(self, store: Store) -> None:
+        self.batch: DeferredPuts = store.deferred()
+        self.keys: set[str] = set()
+        self.nbytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        with self._lock:
+            self.keys.add(key)
+            self.nbytes += len(data)
+        self.batch.put(key, data)
+
+    def commit(self) -> None:
+        with self._lock:
+            self.keys, self.nbytes = set(), 0
+        self.batch.commit()
+
+    def check_readable(self, key: str) -> None:
+        """Refuse to read an object written since the last commit: the store may not show
+        it yet, and zarr would take a missing shard for an empty one."""
+        with self._lock:
+            pending = key in self.keys
+        if pending:
+            raise RuntimeError(f"{key!r} was written in this deferred batch and is read back "
+                               "before its commit")
 
 
 def _bounds(byte_range: ByteRequest, size: int) -> tuple[int, int]:

@@ -11,6 +11,14 @@ Contract shared by every backend (tests/test_store_contract.py checks it against
   first reply was lost safe). It is the commit primitive.
 * `get`/`get_range`/`read_into` raise ObjectNotFoundError for a missing key; a short read
   raises StoreError (never returns fewer bytes than asked without saying so).
+* `deferred()` gives a batch of puts whose durability is paid once, at the batch's
+  `commit()`: an object put through it is visible under its key once `commit()` has returned
+  (earlier on backends whose puts are durable on return), and **never before its bytes are
+  durable**: a crash at any moment leaves each key absent, with its old object, or with the
+  new bytes durable. Content-addressed writers skip keys that exist, so a non-durable object
+  under a final key would silently corrupt a later write. After `commit()` every object of
+  the batch is durable (no `sync()` needed). Leftovers of a crash are the backend's ordinary
+  temp files (gc removes them).
 * All methods are safe to call from many threads at once.
 """
 
@@ -34,6 +42,39 @@ class ObjectInfo:
     key: str
     size: int
     mtime: float
+
+
+class DeferredPuts:
+    """A batch of puts made durable together by `commit()` (see the module contract).
+
+    This default, for backends whose puts are durable on return (S3) or need no durability
+    (memory), puts at once and makes `commit()` a `sync()`. Safe to use from many threads;
+    `commit()` may be called several times (each makes the puts since the last one durable).
+    As a context manager it commits on success and abandons on an exception."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def put(self, key: str, data: Buffer) -> None:
+        """Write the object; it is durable (and visible) once `commit()` has returned."""
+        self.store.put(key, data)
+
+    def commit(self) -> None:
+        """Make every put so far durable and visible; DurabilityError if that fails (the
+        batch's objects not yet visible are then lost)."""
+        self.store.sync()
+
+    def abandon(self) -> None:
+        """Drop the puts not yet visible (best effort; a crash leaves temp files to gc)."""
+
+    def __enter__(self) -> DeferredPuts:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abandon()
 
 
 class Store(abc.ABC):
@@ -96,6 +137,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object; deleting a missing key is not an error."""
+
+    def deferred(self) -> DeferredPuts:
+        """A batch of puts whose durability is deferred to its `commit()` (module contract)."""
+        return DeferredPuts(self)
 
     def sync(self) -> None:
         """Make every completed `put` durable (local: fsync the folders touched). Raises

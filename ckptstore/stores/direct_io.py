@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from .local import LocalStore
+from .local import LocalStore, write_all
 
 #: alignment of the buffer, the file offset and the length of a direct write: the page size
 #: (a multiple of every logical block size Linux file systems use on 4 KiB-page machines)
@@ -35,13 +35,6 @@ ALIGN = 4096
 #: bodies smaller than this are written buffered: a direct write waits for the device, which
 #: costs more than the copy it saves for a few KiB
 DIRECT_MIN_BYTES = 1 << 20
-
-
-def write_all(fd: int, view: memoryview) -> None:
-    """Write all of `view` at the descriptor's position (loops over short writes)."""
-    written = 0
-    while written < len(view):
-        written += os.write(fd, view[written:])
 
 
 def _set_direct(fd: int, on: bool) -> None:

@@ -3,8 +3,13 @@
 Durability: `put` writes a temp file in the target folder, fsyncs it and renames it into place;
 the folder entries are fsynced by `sync()` (once per folder, not once per blob). `create` fsyncs
 the file, links it create-only into place (link fails if the name exists) and fsyncs the folder
-before it returns. A failed fsync raises DurabilityError and is never retried: Linux may have
-dropped the dirty pages, so a retry could "succeed" over lost data.
+before it returns. `deferred()` batches defer the fsyncs: each put writes its temp file
+without waiting, background threads fsync the temps concurrently (concurrent fsyncs share
+journal commits), and `commit()` waits for them, renames every temp into place and fsyncs the
+folders. No temp file is renamed before its own fsync returned, so a final name never holds
+bytes that are not durable; a crash leaves temp files, which gc removes. A failed fsync raises
+DurabilityError and is never retried: Linux may have dropped the dirty pages, so a retry could
+"succeed" over lost data.
 
 Symbolic links: the root folder may be one (users point it at another disk); nothing below it
 is ever followed. Every operation walks from a descriptor of the root one folder at a time
@@ -39,7 +44,7 @@ from ..errors import (
 from ..format.hashing import new_hasher
 from ..format.names import validate_key, validate_prefix
 from ..redact import has_scheme, redact_uri
-from .base import Buffer, ObjectInfo, Store, check_range, short_read
+from .base import Buffer, DeferredPuts, ObjectInfo, Store, check_range, short_read
 
 TEMP_PREFIX = ".tmp-"
 # read and hash in pieces of this size: each is hashed while still in the CPU cache
@@ -49,6 +54,7 @@ _ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # the root may be a l
 _DIR_FLAGS = _ROOT_FLAGS | os.O_NOFOLLOW
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 _ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+_FSYNC_THREADS = 4  # per deferred batch: fsyncs wait on the disk, not on a core
 
 
 def _fs_error(exc: OSError, message: str, reason: str | None = None) -> StoreError:
@@ -66,6 +72,29 @@ def _fsync(fd: int, what: str) -> None:
         os.fsync(fd)
     except OSError as exc:
         raise DurabilityError(f"fsync of {what} failed: {exc}") from exc
+
+
+def write_all(fd: int, view: memoryview) -> None:
+    """Write all of `view` at the descriptor's position (loops over short writes)."""
+    written = 0
+    while written < len(view):
+        written += os.write(fd, view[written:])
+
+
+def _fsync_folders(dirty: set[Path]) -> None:
+    """fsync these folders: deepest level first, so a new folder's entry is synced after its
+    contents; the folders of one level in parallel (concurrent fsyncs share journal
+    commits)."""
+    levels: dict[int, list[Path]] = {}
+    for folder in dirty:
+        levels.setdefault(len(folder.parts), []).append(folder)
+    for depth in sorted(levels, reverse=True):
+        folders = [f for f in levels[depth] if f.is_dir()]
+        if len(folders) == 1:
+            fsync_dir(folders[0])
+        elif folders:
+            with cf.ThreadPoolExecutor(min(8, len(folders))) as pool:
+                list(pool.map(fsync_dir, folders))
 
 
 def fsync_dir(path: Path) -> None:
@@ -239,6 +268,20 @@ class LocalStore(Store):
     def _write_temp(self, dir_fd: int, key: str, name: str, data: Buffer) -> str:
         """Write `data` to a fresh temp file beside `name` in folder `dir_fd`, fsync it, and
         return the temp file's name."""
+        tmp, fd = self._write_temp_unsynced(dir_fd, key, name, data)
+        try:
+            _fsync(fd, f"a temp file for {self._show(key)}")
+        except BaseException:
+            _unlink_quietly(dir_fd, tmp)
+            raise
+        finally:
+            os.close(fd)
+        return tmp
+
+    def _write_temp_unsynced(self, dir_fd: int, key: str, name: str, data: Buffer
+                             ) -> tuple[str, int]:
+        """Write `data` to a fresh temp file beside `name`; return its name and its still
+        open descriptor (not fsynced: the caller fsyncs and closes it)."""
         tmp = f"{TEMP_PREFIX}{uuid.uuid4().hex}-{name}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o644,
@@ -247,21 +290,29 @@ class LocalStore(Store):
             raise _fs_error(exc, f"cannot create a temp file for {self._show(key)}") from exc
         try:
             self._write_body(fd, memoryview(data).cast("B"))
-            _fsync(fd, f"a temp file for {self._show(key)}")
         except BaseException as exc:
             os.close(fd)
             _unlink_quietly(dir_fd, tmp)
             if isinstance(exc, OSError) and not isinstance(exc, StoreError):
                 raise _fs_error(exc, f"cannot write {self._show(key)}") from exc
             raise
-        os.close(fd)
-        return tmp
+        return tmp, fd
+
+    def _rename_into_place(self, dir_fd: int, key: str, name: str, tmp: str) -> None:
+        """Rename the (durable) temp file `tmp` over `name`; a link in its place is refused.
+        The temp file is removed if that fails."""
+        try:
+            self._lstat(dir_fd, name, key)  # a link in the object's place is refused
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException as exc:
+            _unlink_quietly(dir_fd, tmp)
+            if isinstance(exc, OSError) and not isinstance(exc, StoreError):
+                raise _fs_error(exc, f"cannot rename into {self._show(key)}") from exc
+            raise
 
     def _write_body(self, fd: int, view: memoryview) -> None:
         """Write all of `view` to the fresh temp file `fd` (stores/direct_io.py overrides)."""
-        written = 0
-        while written < len(view):
-            written += os.write(fd, view[written:])
+        write_all(fd, view)
 
     # -- reads ---------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
@@ -318,19 +369,18 @@ class LocalStore(Store):
     def put(self, key: str, data: Buffer) -> None:
         dir_fd, name = self._writable_parent(key)
         try:
-            tmp = self._write_temp(dir_fd, key, name, data)
-            try:
-                self._lstat(dir_fd, name, key)  # a link in the object's place is refused
-                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except BaseException as exc:
-                _unlink_quietly(dir_fd, tmp)
-                if isinstance(exc, OSError) and not isinstance(exc, StoreError):
-                    raise _fs_error(exc, f"cannot rename into {self._show(key)}") from exc
-                raise
+            self._rename_into_place(dir_fd, key, name, self._write_temp(dir_fd, key, name, data))
         finally:
             os.close(dir_fd)
         with self._lock:
             self._dirty.add(self._folder_path(key))
+
+    def deferred(self) -> DeferredPuts:
+        """Puts written to temp files at once and fsynced in the background (concurrent
+        fsyncs share journal commits); `commit()` waits for those fsyncs, then renames each
+        temp into place and fsyncs the folders. A temp file is renamed only after its own
+        fsync returned, so a final name never holds bytes that are not durable."""
+        return _LocalDeferredPuts(self)
 
     def create(self, key: str, data: Buffer) -> None:
         dir_fd, name = self._writable_parent(key)
@@ -388,18 +438,7 @@ class LocalStore(Store):
     def sync(self) -> None:
         with self._lock:
             dirty, self._dirty = self._dirty, set()
-        # deepest level first, so a new folder's entry is synced after its contents; the
-        # folders of one level in parallel (concurrent fsyncs share journal commits)
-        levels: dict[int, list[Path]] = {}
-        for folder in dirty:
-            levels.setdefault(len(folder.parts), []).append(folder)
-        for depth in sorted(levels, reverse=True):
-            folders = [f for f in levels[depth] if f.is_dir()]
-            if len(folders) == 1:
-                fsync_dir(folders[0])
-            elif folders:
-                with cf.ThreadPoolExecutor(min(8, len(folders))) as pool:
-                    list(pool.map(fsync_dir, folders))
+        _fsync_folders(dirty)
 
     # -- metadata ------------------------------------------------------------------------
     def _stat(self, key: str) -> os.stat_result | None:
@@ -471,3 +510,91 @@ class LocalStore(Store):
         if not is_temp:
             raise StoreError(f"not a temp file of this store: {rel!r}")
         self.delete(rel)
+
+
+class _LocalDeferredPuts(DeferredPuts):
+    """LocalStore.deferred(): temp files fsynced in the background, renamed at commit."""
+
+    def __init__(self, store: LocalStore) -> None:
+        super().__init__(store)
+        self._local = store
+        self._lock = threading.Lock()
+        # (key, temp name, the temp's fsync): renamed into place by the next commit
+        self._pending: list[tuple[str, str, cf.Future[None]]] = []
+        self._pool: cf.ThreadPoolExecutor | None = None
+
+    def put(self, key: str, data: Buffer) -> None:
+        store = self._local
+        dir_fd, name = store._writable_parent(key)
+        try:
+            tmp, fd = store._write_temp_unsynced(dir_fd, key, name, data)
+        finally:
+            os.close(dir_fd)
+        with self._lock:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(_FSYNC_THREADS,
+                                                   thread_name_prefix="ckptstore-fsync")
+            try:
+                done = self._pool.submit(_fsync_and_close, fd, f"a temp file for "
+                                         f"{store._show(key)}")
+            except BaseException:
+                os.close(fd)
+                raise
+            self._pending.append((key, tmp, done))
+
+    def commit(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            pool, self._pool = self._pool, None  # later puts start a pool of their own
+        try:
+            for _, _, done in pending:  # every temp durable before any rename
+                done.result()
+        except BaseException:
+            self._remove(pending)
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False)  # its work is done or failed: threads exit now
+        for i, (key, tmp, _) in enumerate(pending):
+            dir_fd, name = self._local._writable_parent(key)
+            try:
+                self._local._rename_into_place(dir_fd, key, name, tmp)
+            except BaseException:
+                self._remove(pending[i + 1 :])
+                raise
+            finally:
+                os.close(dir_fd)
+            with self._local._lock:
+                self._local._dirty.add(self._local._folder_path(key))
+        self._local.sync()
+
+    def abandon(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            pool, self._pool = self._pool, None
+        self._remove(pending)
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    def _remove(self, pending: list[tuple[str, str, cf.Future[None]]]) -> None:
+        """Remove these temp files (after their fsyncs ended: those close the descriptors)."""
+        cf.wait([done for _, _, done in pending])
+        for key, tmp, _ in pending:
+            dir_fd, _name = self._local._parent(key)
+            if dir_fd is not None:
+                try:
+                    _unlink_quietly(dir_fd, tmp)
+                finally:
+                    os.close(dir_fd)
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+
+def _fsync_and_close(fd: int, what: str) -> None:
+    try:
+        _fsync(fd, what)
+    finally:
+        os.close(fd)

@@ -14,6 +14,7 @@ The contract itself is stated in `ckptstore.stores.base`. Needs pytest (a test d
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -187,23 +188,64 @@ class StoreTests:
 
 
     def test_concurrent_puts_and_gets(self, store: Store) -> None:
-        errors: list[BaseException] = []
-
         def work(i: int) -> None:
-            try:
-                payload = bytes([i]) * (1000 + i)
-                store.put(f"c/{i}", payload)
-                assert store.get(f"c/{i}") == payload
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
+            payload = bytes([i]) * (1000 + i)
+            store.put(f"c/{i}", payload)
+            assert store.get(f"c/{i}") == payload
 
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors
+        _in_threads(16, work)
         assert len(list(store.list("c/"))) == 16
+
+
+    def test_deferred_puts_are_durable_and_visible_after_commit(self, store: Store) -> None:
+        store.put("d/replaced", b"old")
+        batch = store.deferred()
+        batch.put("d/a", b"first")
+        batch.put("d/deep/b", memoryview(b"xxsecondxx")[2:-2])
+        batch.put("d/replaced", b"new")
+        batch.put("d/empty", b"")
+        for key, new in [("d/a", b"first"), ("d/replaced", b"new")]:
+            # before the commit: absent, the old object or already the new bytes
+            assert not store.exists(key) or store.get(key) in (b"old", new)
+        batch.commit()
+        assert self.raw_get(store, "d/a") == b"first"
+        assert self.raw_get(store, "d/deep/b") == b"second"
+        assert self.raw_get(store, "d/replaced") == b"new"
+        assert store.get("d/empty") == b""
+        assert sorted(i.key for i in store.list("d/")) == [
+            "d/a", "d/deep/b", "d/empty", "d/replaced"]
+        batch.put("d/after", b"reused")  # a committed batch takes more puts
+        batch.commit()
+        assert store.get("d/after") == b"reused"
+
+    def test_deferred_puts_from_many_threads(self, store: Store) -> None:
+        with store.deferred() as batch:
+            _in_threads(12, lambda i: batch.put(f"dt/{i}", bytes([i]) * (1000 + i)))
+        assert {i.key: i.size for i in store.list("dt/")} == {
+            f"dt/{i}": 1000 + i for i in range(12)}
+        assert store.get("dt/7") == bytes([7]) * 1007
+
+    def test_abandoned_deferred_puts_leave_nothing_half_written(self, store: Store) -> None:
+        store.put("ab/kept", b"old")
+        with pytest.raises(KeyError):
+            with store.deferred() as batch:
+                batch.put("ab/kept", b"new")
+                batch.put("ab/other", b"other")
+                raise KeyError("the writer failed")
+        # each key holds its old object, or (backends whose puts are durable on return) the
+        # whole new one; nothing else is listed
+        assert store.get("ab/kept") in (b"old", b"new")
+        listed = {i.key for i in store.list("ab/")}
+        assert listed <= {"ab/kept", "ab/other"}
+        if "ab/other" in listed:
+            assert store.get("ab/other") == b"other"
+
+    def test_deferred_puts_refuse_hostile_keys(self, store: Store) -> None:
+        batch = store.deferred()
+        for bad in ["../escape", "/abs", "a//b"]:
+            with pytest.raises(InvalidNameError):
+                batch.put(bad, b"x")
+        batch.commit()
 
 
 class S3StoreTests(StoreTests):
@@ -218,6 +260,25 @@ class S3StoreTests(StoreTests):
     def raw_put(self, store: Store, key: str, data: bytes) -> None:
         s3 = _s3(store)
         s3.client.put_object(Bucket=s3.bucket, Key=s3._key(key), Body=data)
+
+
+def _in_threads(n: int, work: Callable[[int], None]) -> None:
+    """Run work(0), ..., work(n - 1) in n threads at once; raise the first failure."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:  # raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def _s3(store: Store) -> Any:

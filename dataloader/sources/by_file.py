@@ -11,13 +11,10 @@ JSON crosses the pipes (receipts, error text): nothing is pickled. POSIX (fork) 
 
 from __future__ import annotations
 
-import json
-import multiprocessing
-import multiprocessing.connection
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Connection
 from typing import Any
 
+from ..forked import run_forked
 from ..format import DatasetIndex
 from ..partitions import _probe, commit_dataset, write_partition
 from ..writer import choose_rows_per_chunk
@@ -71,49 +68,12 @@ def convert_by_file(
 
 def _forked(uri: str, source: Source, workers: int, per_part: int, opts: dict[str, Any],
             on_samples: Callable[[int], None]) -> list[dict[str, Any]]:
-    ctx = multiprocessing.get_context("fork")
     count = len(source.files)
 
-    def child(c: int, conn: Any) -> None:
-        try:
-            for i in range(c, count, workers):
-                for r in _file_partitions(uri, source, i, per_part, opts):
-                    conn.send_bytes(json.dumps(r).encode())
-        except BaseException as exc:  # reported to the parent, which raises
-            conn.send_bytes(b"!" + str(exc).encode(errors="replace"))
-        finally:
-            conn.close()
+    def convert_every_kth(c: int) -> Iterator[dict[str, Any]]:
+        for i in range(c, count, workers):
+            yield from _file_partitions(uri, source, i, per_part, opts)
 
-    conns, procs = [], []
-    receipts: list[dict[str, Any]] = []
-    try:
-        for c in range(workers):
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=child, args=(c, send), daemon=True)
-            proc.start()
-            send.close()
-            conns.append(recv)
-            procs.append(proc)
-        pending = list(conns)
-        while pending:  # read every pipe as data comes: no child waits on a full pipe
-            for conn in multiprocessing.connection.wait(pending):
-                assert isinstance(conn, Connection)
-                try:
-                    raw = conn.recv_bytes()
-                except EOFError:
-                    pending.remove(conn)
-                    continue
-                if raw.startswith(b"!"):
-                    raise ValueError(raw[1:].decode(errors="replace"))
-                receipts.append(json.loads(raw))
-                on_samples(int(receipts[-1]["num_samples"]))
-        for proc in procs:
-            proc.join()
-            if proc.exitcode != 0:
-                raise RuntimeError(f"a converter process exited with code {proc.exitcode}")
-        return receipts
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    return run_forked(workers, convert_every_kth, what="converter",
+                      error=lambda kind, msg: ValueError(msg),
+                      on_result=lambda r: on_samples(int(r["num_samples"])))

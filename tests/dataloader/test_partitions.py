@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +17,8 @@ import pytest
 import dataloader
 from ckptstore import open_store
 from ckptstore.errors import FormatError, ObjectExistsError
+from ckptstore.stores import MemoryStore
+from dataloader.reader import BlockReader
 
 from .conftest import ids_of, make_samples
 from .resume_contract import assert_resumes_exactly
@@ -323,3 +327,63 @@ def test_partition_zarr_metadata_checked_on_first_read(samples: list[dict]) -> N
         _read_all(uri)
     ok = [s for s in _read_all(uri, fields=["text"])]  # other arrays of partition 3 are fine
     assert len(ok) == sum(SIZES)
+
+
+class _ChecksWaitForReads(MemoryStore):
+    """A store whose zarr.json reads wait (up to 2 s) until a chunk read has started: a
+    reader that overlaps them proceeds at once, one that reads after the checks waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunk_read = threading.Event()
+        self.overlapped: list[bool] = []
+        self.decoded_before_check_ended: list[bool] = []
+        self.decodes = 0
+        self.armed = False  # set once the dataset is committed (the commit checks too)
+
+    def read_into(self, key: str, start: int, out: memoryview) -> None:
+        if self.armed and key.endswith("/zarr.json") and key.startswith("parts/"):
+            self.overlapped.append(self.chunk_read.wait(2))
+            time.sleep(0.05)  # the chunk reads finish meanwhile: nothing may decode them yet
+            self.decoded_before_check_ended.append(self.decodes > 0)
+        elif "/c/" in key:
+            self.chunk_read.set()
+        super().read_into(key, start, out)
+
+
+def test_first_window_reads_chunks_with_the_checks(
+    samples: list[dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With shard tables in dataset.json, a window's chunk reads start together with its
+    partitions' zarr.json checks (one round trip), and nothing is decoded before they pass."""
+    store = _ChecksWaitForReads()
+    dataloader.commit_dataset(store, _write_all(store, samples, [0, 1, 2, 3, 4]))
+    store.armed = True
+    real = BlockReader._decode
+
+    def counted(self: BlockReader, path: str, data: memoryview) -> np.ndarray:
+        store.decodes += 1
+        return real(self, path, data)
+
+    monkeypatch.setattr(BlockReader, "_decode", counted)
+    ds = dataloader.StreamingDataset(store)
+    # threads enough for every request of the first window at once
+    got = sum(len(b["_index"]) for b in dataloader.StreamingLoader(ds, batch_size=7,
+                                                                   num_workers=64))
+    assert got == sum(SIZES)
+    assert store.overlapped and all(store.overlapped)
+    assert not any(store.decoded_before_check_ended)
+
+
+def test_a_failed_check_fails_the_overlapped_read(samples: list[dict]) -> None:
+    store = _ChecksWaitForReads()
+    dataloader.commit_dataset(store, _write_all(store, samples, [0, 1, 2, 3, 4]))
+    key = "parts/000000/id/zarr.json"
+    z = json.loads(store.get(key))
+    z["data_type"] = "uint64"
+    store.put(key, json.dumps(z).encode())
+    store.armed = True
+    ds = dataloader.StreamingDataset(store)
+    with pytest.raises(FormatError, match="parts/000000/id/zarr.json.*data_type"):
+        list(dataloader.StreamingLoader(ds, batch_size=7, num_workers=64))
+    assert store.overlapped and store.decodes == 0

@@ -13,20 +13,34 @@ import pytest
 import zarr
 
 import dataloader
+from ckptstore.stores.base import Buffer, DeferredPuts
 from ckptstore.stores.local import LocalStore
 from dataloader.format import INDEX_KEY, DatasetIndex, canonical_json
 
 
 class CountingStore(LocalStore):
-    """A real local store that counts puts per key."""
+    """A real local store that counts puts per key, plain and deferred."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.puts: Counter[str] = Counter()
+        self.plain_puts = 0
 
-    def put(self, key: str, data: object) -> None:  # type: ignore[override]
+    def put(self, key: str, data: Buffer) -> None:
         self.puts[key] += 1
-        super().put(key, data)  # type: ignore[arg-type]
+        self.plain_puts += 1
+        super().put(key, data)
+
+    def deferred(self) -> DeferredPuts:
+        batch = super().deferred()
+        real = batch.put
+
+        def counted(key: str, data: Buffer) -> None:
+            self.puts[key] += 1
+            real(key, data)
+
+        batch.put = counted  # type: ignore[method-assign]
+        return batch
 
 
 def _samples(n: int) -> list[dict[str, object]]:
@@ -47,6 +61,8 @@ def test_every_object_is_put_once(tmp_path: Path, workers: int | None) -> None:
         workers=workers, partition_rows=1500 if workers else None,
     )
     assert max(store.puts.values()) == 1, [k for k, v in store.puts.items() if v > 1][:5]
+    assert store.plain_puts == 0  # every object went through a deferred batch
+    assert not list(store.temp_files())  # every batch was committed
     metadata = [k for k in store.puts if k.endswith("zarr.json")]
     # per stream: the root group, the blob group, x, blob/data, blob/offsets
     assert len(metadata) == (5 if workers is None else 10)
