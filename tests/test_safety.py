@@ -284,3 +284,63 @@ def test_local_store_never_escapes_root(tmp_path):
         with pytest.raises(InvalidNameError):
             store.put(key, b"x")
     assert not (tmp_path / "x").exists()
+
+
+def _slow_folder_fsyncs(monkeypatch, fail: bool = False):
+    """Make LocalStore folder fsyncs wait for `gate` (and then fail, if asked); `entered` is
+    set once the first one started."""
+    import threading
+
+    from ckptstore.stores import local
+
+    gate, entered = threading.Event(), threading.Event()
+    real = local.fsync_dir
+
+    def slow(path):
+        entered.set()
+        assert gate.wait(10)
+        if fail:
+            raise DurabilityError(f"fsync of folder {path} failed: injected")
+        real(path)
+
+    monkeypatch.setattr(local, "fsync_dir", slow)
+    return gate, entered
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_sync_never_returns_before_a_concurrent_sync_that_took_its_folders(
+        tmp_path, monkeypatch, fail):
+    """Two threads put, then sync: the first sync takes every dirty folder, the second finds
+    none. The second must still wait until those folders are durable, and fail if they
+    could not be made so (a caller would otherwise commit a manifest over lost entries)."""
+    import threading
+
+    store = LocalStore(tmp_path / "s")
+    store.put("a/x", b"1")
+    store.put("b/y", b"2")
+    gate, entered = _slow_folder_fsyncs(monkeypatch, fail)
+    outcome: dict[str, object] = {}
+
+    def sync(who):
+        try:
+            store.sync()
+            outcome[who] = "ok"
+        except DurabilityError as exc:
+            outcome[who] = exc
+
+    first = threading.Thread(target=sync, args=("first",))
+    first.start()
+    assert entered.wait(5)  # the first sync holds both folders now
+    second = threading.Thread(target=sync, args=("second",))
+    second.start()
+    second.join(0.3)
+    assert "second" not in outcome  # its folders are not durable yet: it waits
+    gate.set()
+    first.join(5)
+    second.join(5)
+    if not fail:
+        assert outcome == {"first": "ok", "second": "ok"}
+    else:
+        assert all(isinstance(v, DurabilityError) for v in outcome.values()), outcome
+        with pytest.raises(DurabilityError, match="earlier folder fsync"):
+            store.sync()  # sticky: nothing written since can be called durable

@@ -9,7 +9,10 @@ journal commits), and `commit()` waits for them, renames every temp into place a
 folders. No temp file is renamed before its own fsync returned, so a final name never holds
 bytes that are not durable; a crash leaves temp files, which gc removes. A failed fsync raises
 DurabilityError and is never retried: Linux may have dropped the dirty pages, so a retry could
-"succeed" over lost data.
+"succeed" over lost data. A failed folder fsync in `sync()` is sticky: every later `sync()` of
+this store object raises too (the failed folders may have held any caller's entries). Syncs
+run one at a time, so a `sync()` never returns while a concurrent one that took its folders
+is still fsyncing them.
 
 Symbolic links: the root folder may be one (users point it at another disk); nothing below it
 is ever followed. Every operation walks from a descriptor of the root one folder at a time
@@ -127,6 +130,8 @@ class LocalStore(Store):
             raise ObjectNotFoundError(f"no such folder: {self.root}")
         self._dirty: set[Path] = set()
         self._lock = threading.Lock()
+        self._sync_turn = threading.Lock()  # syncs run one at a time (module docstring)
+        self._sync_failed: str | None = None  # the first failed folder fsync, sticky
 
     def _make_root(self) -> None:
         try:
@@ -436,9 +441,18 @@ class LocalStore(Store):
             self._dirty.add(self._folder_path(key))
 
     def sync(self) -> None:
-        with self._lock:
-            dirty, self._dirty = self._dirty, set()
-        _fsync_folders(dirty)
+        with self._sync_turn:
+            if self._sync_failed is not None:
+                raise DurabilityError(f"an earlier folder fsync of {self.uri} failed "
+                                      f"({self._sync_failed}); writes since may not be "
+                                      "durable: check the disk, then open the store again")
+            with self._lock:
+                dirty, self._dirty = self._dirty, set()
+            try:
+                _fsync_folders(dirty)
+            except DurabilityError as exc:
+                self._sync_failed = str(exc)
+                raise
 
     # -- metadata ------------------------------------------------------------------------
     def _stat(self, key: str) -> os.stat_result | None:
