@@ -8,7 +8,7 @@ one of these types first."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -113,3 +113,18 @@ def batch_samples(batch: Any, where: str) -> Iterator[Sample]:
     columns = [_column(pa, batch.column(k), name, where) for k, name in enumerate(names)]
     for i in range(batch.num_rows):
         yield {name: col(i) for name, col in zip(names, columns)}
+
+
+def file_samples(path: Any, schema: Any, batches: Iterable[Any]) -> Iterator[Sample]:
+    """The samples of one Arrow-backed file: `schema` checked, then its record `batches` in
+    order. A batch that cannot be read raises ValueError naming the file and the row where
+    reading stopped."""
+    pa = require_pyarrow("Arrow data")
+    check_schema(schema, str(path))
+    row = 0
+    try:
+        for batch in batches:
+            yield from batch_samples(batch, f"{path}, rows {row}-{row + batch.num_rows - 1}")
+            row += batch.num_rows
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{path}: unreadable after row {row} ({exc})") from None

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .arrow_rows import batch_samples, check_schema, require_pyarrow
+from .arrow_rows import file_samples, require_pyarrow
 from .base import Sample, Source
 
 
@@ -71,18 +71,9 @@ def _stream(path: Path) -> Any:
 
 
 def iter_hf(files: Sequence[Path]) -> Iterator[Sample]:
-    import pyarrow as pa
-
     for path in files:
         reader = _stream(path)
-        check_schema(reader.schema, str(path))
-        row = 0
-        try:
-            for batch in reader:
-                yield from batch_samples(batch, f"{path}, rows {row}-{row + batch.num_rows - 1}")
-                row += batch.num_rows
-        except (pa.ArrowException, OSError) as exc:
-            raise ValueError(f"{path}: unreadable after row {row} ({exc})") from None
+        yield from file_samples(path, reader.schema, reader)
 
 
 def hf_source(src: Path, split: str | None) -> Source:

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .arrow_rows import batch_samples, check_schema, require_pyarrow
+from .arrow_rows import file_samples, require_pyarrow
 from .base import Sample, Source, files_with
 
 _BATCH_ROWS = 4096
@@ -25,18 +25,9 @@ def _open(path: Path) -> Any:
 
 
 def iter_parquet(files: Sequence[Path]) -> Iterator[Sample]:
-    import pyarrow as pa
-
     for path in files:
         pf = _open(path)
-        check_schema(pf.schema_arrow, str(path))
-        row = 0
-        try:
-            for batch in pf.iter_batches(batch_size=_BATCH_ROWS):
-                yield from batch_samples(batch, f"{path}, rows {row}-{row + batch.num_rows - 1}")
-                row += batch.num_rows
-        except (pa.ArrowException, OSError) as exc:
-            raise ValueError(f"{path}: unreadable after row {row} ({exc})") from None
+        yield from file_samples(path, pf.schema_arrow, pf.iter_batches(batch_size=_BATCH_ROWS))
 
 
 def parquet_source(src: Path) -> Source:
