@@ -190,6 +190,16 @@ def test_bad_inputs_give_one_line_and_leave_nothing(tmp_path: Path, capsys) -> N
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "state.json").write_text('{"_data_files": [{"filename": "gone.arrow"}]}')
     assert "missing" in fails(capsys, "convert", str(tmp_path / "hf"), str(dest))
+    # an Arrow stream cut short in its second batch: the rows read so far are named
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, pa.schema([("a", pa.int64())])) as w:
+        for start in (0, 1000):
+            w.write_batch(pa.record_batch([pa.array(range(start, start + 1000))], names=["a"]))
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "data.arrow").write_bytes(sink.getvalue()[:-3000])
+    (tmp_path / "cut" / "state.json").write_text('{"_data_files": [{"filename": "data.arrow"}]}')
+    assert "unreadable after row 1000" in fails(capsys, "convert", str(tmp_path / "cut"),
+                                                str(dest))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "a.csv").write_text("1,2\n")
     assert "--format files" in fails(capsys, "convert", str(tmp_path / "other"), str(dest))
