@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from ckptstore.cli.args import positive_int
 from ckptstore.cli.exits import EXIT_ERROR, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_OK, one_line
 from ckptstore.cli.output import human_bytes
 from ckptstore.errors import CkptStoreError, IntegrityError
@@ -108,12 +109,6 @@ def _print_summary(s: dict[str, Any]) -> None:
         )
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from ckptstore.version import __version__
 
@@ -138,10 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--split", metavar="NAME", help="the split of a saved Hugging Face DatasetDict")
     c.add_argument("--schema", action="append", default=[], metavar="FIELD=KIND",
                    help="declare a field's kind: scalar, fixed, ragged, bytes, str (repeatable)")
-    c.add_argument("--rows-per-chunk", type=_positive_int, metavar="N",
+    c.add_argument("--rows-per-chunk", type=positive_int, metavar="N",
                    help="samples per block (default: about 4 MiB of data)")
     c.add_argument("--compression", choices=["zstd"])
-    c.add_argument("--workers", type=_positive_int, metavar="N", default=os.cpu_count() or 1,
+    c.add_argument("--workers", type=positive_int, metavar="N", default=os.cpu_count() or 1,
                    help="threads encoding and writing partitions (default: the number of cores;"
                         " the dataset is the same for every N)")
     c.add_argument("--overwrite", action="store_true",

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ..redact import redact_text
+from .args import positive_int
 from .exits import (
     EXIT_BUSY,
     EXIT_ERROR,
@@ -93,12 +94,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from ..version import __version__
 
@@ -109,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "$AWS_ENDPOINT_URL, else AWS")
     g.add_argument("--region", metavar="NAME", default=argparse.SUPPRESS,
                    help="S3 region (default: the standard AWS configuration)")
-    g.add_argument("--max-attempts", type=_positive_int, metavar="N", default=argparse.SUPPRESS,
+    g.add_argument("--max-attempts", type=positive_int, metavar="N", default=argparse.SUPPRESS,
                    help="S3: total attempts per request, retries included (default 5)")
     fmt = g.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
@@ -152,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", metavar="NAME", help="default: every checkpoint")
     p.add_argument("--sample", type=_fraction, default=1.0, metavar="FRACTION",
                    help="check a random fraction of the blobs (default 1: all)")
-    p.add_argument("--workers", type=_positive_int, default=8, metavar="N")
+    p.add_argument("--workers", type=positive_int, default=8, metavar="N")
 
     p = add("gc", "delete blobs no checkpoint references, older than the grace period")
     p.add_argument("uri", metavar="URI")
@@ -174,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="SRC_URI")
     p.add_argument("dst", metavar="DST_URI")
     p.add_argument("names", nargs="+", metavar="NAME")
-    p.add_argument("--workers", type=_positive_int, default=8, metavar="N")
+    p.add_argument("--workers", type=positive_int, default=8, metavar="N")
     p.add_argument("--verify", action="store_true",
                    help="after the copy, re-read and re-hash the copied checkpoints in DST")
     p.add_argument("--src-endpoint-url", metavar="URL",
@@ -208,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "run code: only for sources you trust")
     from .tiers import add_replicate_parser
 
-    add_replicate_parser(add, _positive_int)
+    add_replicate_parser(add)
     return parser
 
 

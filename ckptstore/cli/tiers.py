@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from .args import positive_int
 from .exits import EXIT_OK
 
 if TYPE_CHECKING:  # the parser imports this module: the rest is imported when a command runs
@@ -135,7 +136,7 @@ def cmd_replicate(args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
-def add_replicate_parser(add: Any, positive_int: Any) -> None:
+def add_replicate_parser(add: Any) -> None:
     """Register `ckpt replicate` (called by cli.build_parser)."""
     p = add("replicate", "copy the checkpoints NEAR has and FAR lacks (verified, resumable)")
     p.add_argument("near", metavar="NEAR")
