@@ -1,32 +1,31 @@
 """Writing datasets: samples (dicts of numpy arrays, ints, floats, bools, bytes, str) become one
-sharded zarr v3 array per field (variable-length fields as data + offsets), written by
-zarr-python through a thin adapter over a ckptstore Store, then ``dataset.json`` is created last.
+sharded zarr v3 array per field (variable-length fields as data + offsets), each written by an
+ArrayWriter (array_writer.py) through a thin adapter over a ckptstore Store, then
+``dataset.json`` is created last.
 
 Contract: a dataset is whole or invisible. Until `close()` creates the index, readers see no
 dataset; a failed or abandoned write leaves arrays but no index. Chunk digests are taken from the
-exact bytes zarr hands to the store (no read-back). Bad samples raise TypeError/ValueError naming
+encoded bytes before they are put (no read-back). Bad samples raise TypeError/ValueError naming
 the sample index and field, before anything of that sample is written.
 
-Why one module of ~670 lines: sample validation, the per-field zarr arrays and the index are
-one write; the field writers share the block bookkeeping that the index records.
+Why one module of ~580 lines: sample validation, the choice of chunking and the index are one
+write; the field writers share the block bookkeeping that the index records.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import ZstdCodec
 
 from ckptstore.errors import FormatError, ObjectExistsError
-from ckptstore.format.hashing import digest
 from ckptstore.stores import Store, open_store
 
+from .array_writer import ArrayWriter
 from .format import (
     INDEX_KEY,
     KINDS,
@@ -35,10 +34,8 @@ from .format import (
     MAX_METADATA_DEPTH,
     MAX_NDIM,
     MAX_ROWS_PER_CHUNK,
-    ArrayInfo,
     DatasetIndex,
     FieldInfo,
-    ShardInfo,
     check_int,
     json_depth,
     load_index,
@@ -192,86 +189,6 @@ def _value_nbytes(spec: _Spec, v: Any) -> int:
     return len(v) + 8
 
 
-class _ArrayWriter:
-    """Appends rows to one zarr array, writing whole shards only (the last one at close)."""
-
-    def __init__(
-        self,
-        group: zarr.Group,
-        path: str,
-        dtype: np.dtype,
-        inner: tuple[int, ...],
-        chunk_len: int,
-        chunks_per_shard: int,
-        compressor: str | None,
-    ) -> None:
-        self.path, self.dtype, self.inner = path, np.dtype(dtype).newbyteorder("<"), inner
-        self.chunk_len, self.chunks_per_shard = chunk_len, chunks_per_shard
-        self.compressor = compressor
-        self.shard_rows = chunk_len * chunks_per_shard
-        compressors = [ZstdCodec(level=1)] if compressor == "zstd" else None
-        self.array = group.create_array(
-            path,
-            shape=(0, *inner),
-            dtype=self.dtype,
-            chunks=(chunk_len, *inner),
-            shards=(self.shard_rows, *inner),
-            compressors=compressors,
-            fill_value=0,
-            config={"write_empty_chunks": True},
-            overwrite=True,  # a partition written again: same keys, same bytes
-        )
-        self.pending: list[np.ndarray] = []
-        self.pending_rows = 0
-        self.rows = 0
-        self.shards: dict[int, ShardInfo] = {}
-
-    def append(self, rows: np.ndarray) -> None:
-        if len(rows) == 0:
-            return
-        self.pending.append(rows)
-        self.pending_rows += len(rows)
-        if self.pending_rows >= self.shard_rows:
-            buf = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
-            full = (len(buf) // self.shard_rows) * self.shard_rows
-            self._write(buf[:full])
-            rest = buf[full:]
-            self.pending = [rest] if len(rest) else []
-            self.pending_rows = len(rest)
-
-    def _write(self, rows: np.ndarray) -> None:
-        start = self.rows
-        self.array.resize((start + len(rows), *self.inner))
-        self.array[start : start + len(rows)] = rows
-        self.rows += len(rows)
-
-    def finish(self) -> ArrayInfo:
-        if self.pending:
-            self._write(np.concatenate(self.pending))
-            self.pending, self.pending_rows = [], 0
-        num_chunks = -(-self.rows // self.chunk_len)
-        num_shards = -(-num_chunks // self.chunks_per_shard)
-        missing = [s for s in range(num_shards) if s not in self.shards]
-        if missing:
-            raise FormatError(f"array {self.path!r}: shards {missing} were not seen while writing")
-        return ArrayInfo(
-            path=self.path,
-            dtype=self.dtype.str,
-            shape=(self.rows, *self.inner),
-            chunk_shape=(self.chunk_len, *self.inner),
-            chunks_per_shard=self.chunks_per_shard,
-            compressor=self.compressor,
-            shards=tuple(self.shards[s] for s in range(num_shards)),
-        )
-
-    def record_shard(self, shard: int, data: memoryview) -> None:
-        """Digest every chunk of a shard object zarr is about to store."""
-        tail = data[len(data) - (16 * self.chunks_per_shard + 4) :]
-        table = ShardInfo.table_of(tail, self.chunks_per_shard)
-        chunks = tuple(None if t is None else digest(data[t[0] : t[0] + t[1]]) for t in table)
-        self.shards[shard] = ShardInfo(len(data), digest(tail), chunks, table)
-
-
 class DatasetWriter:
     """Streaming writer: `add()` samples, then `close()` (or leave the `with` block) commits.
 
@@ -317,12 +234,10 @@ class DatasetWriter:
         self._prefix = prefix.strip("/")
         if not self._prefix:
             self._check_target(overwrite)
-        self._lock = threading.Lock()
-        self._arrays: dict[str, _ArrayWriter] = {}
+        self._arrays: dict[str, ArrayWriter] = {}
         adapter = _KeepingAdapter if self._prefix else ZarrStoreAdapter
         # zarr.json objects are written once, in their final form, by finish_arrays
-        self._adapter = adapter.holding_metadata(self.store, self._prefix, on_set=self._on_set,
-                                                 deferred=True)
+        self._adapter = adapter.holding_metadata(self.store, self._prefix, deferred=True)
         self._group: zarr.Group | None = None
         self._specs: dict[str, _Spec] | None = None
         self._probe_specs: dict[str, _Spec] | None = None
@@ -352,18 +267,6 @@ class DatasetWriter:
         for path in paths:
             for info in list(self.store.list(path + "/")):
                 self.store.delete(info.key)
-
-    # -- zarr hook ------------------------------------------------------------------------
-    def _on_set(self, key: str, data: memoryview) -> None:
-        if self._prefix:
-            key = key[len(self._prefix) + 1 :]
-        path, sep, rest = key.partition("/c/")
-        if not sep:
-            return
-        with self._lock:
-            writer = self._arrays.get(path)
-        if writer is not None:
-            writer.record_shard(int(rest.split("/")[0]), data)
 
     # -- adding samples -------------------------------------------------------------------
     def add(self, sample: Mapping[str, Any]) -> None:
@@ -462,9 +365,9 @@ class DatasetWriter:
                 f"array {path!r}: chunks of {nbytes:,} bytes, over the {MAX_CHUNK_NBYTES:,}-byte "
                 "limit (lower rows_per_chunk, chunk_bytes or data_chunk_bytes)"
             )
-        w = _ArrayWriter(self._group, path, dtype, inner, chunk_len, per_shard, self.compression)
-        with self._lock:
-            self._arrays[path] = w
+        self._arrays[path] = ArrayWriter(
+            self._group, self._adapter, path, dtype, inner, chunk_len, per_shard, self.compression
+        )
 
     def _push(self, row: dict[str, Any]) -> None:
         self._block.append(row)

@@ -9,17 +9,16 @@ an array's metadata on every resize, and each rewrite would be a durable put (an
 request). Such an adapter may also put through one `Store.deferred()` batch (`deferred=True`):
 objects become durable and visible together at `commit_writes()` (locally: the fsyncs run in
 the background and are waited for once); reading an object written since the last commit
-raises instead of returning its old bytes or none. An optional ``on_set(key, data)`` hook
-sees the exact bytes written (the writer uses it to digest each chunk inside a shard without
-reading anything back). Reads serve zarr
-itself (validation, tests); the streaming read path does not go through zarr.
+raises instead of returning its old bytes or none. `put_object` writes an object zarr did not
+encode (the writer's shards, see shard_encoding.py) the same way. Reads serve zarr itself
+(validation, tests); the streaming read path does not go through zarr.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 
 import numpy as np
 from zarr.abc.store import (
@@ -35,8 +34,6 @@ from ckptstore.errors import ObjectNotFoundError
 from ckptstore.stores import Store
 from ckptstore.stores.base import DeferredPuts
 
-OnSet = Callable[[str, memoryview], None]
-
 
 class ZarrStoreAdapter(ZarrStore):
     """zarr.abc.store.Store backed by a ckptstore Store (blocking calls run in threads)."""
@@ -51,14 +48,12 @@ class ZarrStoreAdapter(ZarrStore):
         store: Store,
         prefix: str = "",
         read_only: bool = False,
-        on_set: OnSet | None = None,
         held: dict[str, bytes] | None = None,
         writes: _Deferred | None = None,
     ) -> None:
         super().__init__(read_only=read_only)
         self.store = store
         self.prefix = prefix.strip("/")
-        self.on_set = on_set
         # held zarr.json objects (full key -> bytes), shared with with_read_only() copies;
         # None: metadata is written through like any other key
         self.held = held
@@ -67,11 +62,11 @@ class ZarrStoreAdapter(ZarrStore):
 
     @classmethod
     def holding_metadata(
-        cls, store: Store, prefix: str = "", on_set: OnSet | None = None, deferred: bool = False
+        cls, store: Store, prefix: str = "", deferred: bool = False
     ) -> ZarrStoreAdapter:
         """An adapter that keeps zarr.json objects until `flush_metadata()` and, if
         `deferred`, puts through a deferred batch made durable by `commit_writes()`."""
-        return cls(store, prefix, False, on_set, {}, _Deferred(store) if deferred else None)
+        return cls(store, prefix, False, {}, _Deferred(store) if deferred else None)
 
     def flush_metadata(self) -> None:
         """Write every held zarr.json (its last version), in key order; keep holding."""
@@ -80,6 +75,11 @@ class ZarrStoreAdapter(ZarrStore):
         for key in sorted(self.held):
             self._put(key, self.held[key])
         self.held.clear()
+
+    def put_object(self, key: str, data: bytes | memoryview) -> None:
+        """Write one object (a key relative to the prefix) as zarr's own sets are written:
+        through the deferred batch if there is one. The bytes are written before this returns."""
+        self._put(self._key(key), data)
 
     def _put(self, key: str, data: bytes | memoryview) -> None:
         if self.writes is None:
@@ -122,7 +122,7 @@ class ZarrStoreAdapter(ZarrStore):
         return hash((id(self.store), self.prefix))
 
     def with_read_only(self, read_only: bool = False) -> ZarrStoreAdapter:
-        return type(self)(self.store, self.prefix, read_only, self.on_set, self.held, self.writes)
+        return type(self)(self.store, self.prefix, read_only, self.held, self.writes)
 
     async def get(
         self,
@@ -165,8 +165,6 @@ class ZarrStoreAdapter(ZarrStore):
         # zarr's own buffer, not a copy: the put has written it before this returns
         data = np.ascontiguousarray(value.as_numpy_array()).data.cast("B")
         full = self._key(key)
-        if self.on_set is not None:
-            self.on_set(full, data)
         if self._is_held(key):
             assert self.held is not None
             self.held[full] = bytes(data)

@@ -1,0 +1,133 @@
+"""The writer's own shard encoder against zarr-python: for every array shape the writer makes,
+the objects stored (every shard and the array's zarr.json) must be byte for byte the ones zarr
+stores when it writes the same rows itself. Rows are appended in uneven pieces, so shards are
+filled across appends, and include all-zero chunks (the fill value, which zarr still stores
+with write_empty_chunks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import ZstdCodec
+
+from ckptstore.stores import MemoryStore
+from dataloader.array_writer import ArrayWriter
+from dataloader.format import ShardInfo
+from dataloader.shard_encoding import encode_shard, tail_nbytes
+from dataloader.zarr_adapter import ZarrStoreAdapter
+
+CASES = [
+    # dtype, inner shape, rows per chunk, chunks per shard, rows in all
+    ("<i4", (), 4, 4, 1),
+    ("<i4", (), 4, 4, 3),
+    ("<i4", (), 4, 4, 16),
+    ("<i4", (), 4, 4, 10),
+    ("<i4", (), 4, 4, 37),
+    ("<i8", (), 5, 7, 36),
+    ("|u1", (), 1024, 3, 5000),
+    ("<f8", (3,), 2, 5, 23),
+    ("<i4", (2049,), 8, 4, 70),
+    ("|b1", (2, 5), 3, 2, 13),
+    ("<f4", (), 7, 1, 15),
+    ("<u2", (), 4, 1024, 4100),
+]
+
+
+def _rows(dtype: str, inner: tuple[int, ...], n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 200, size=(n, *inner)).astype(dtype)
+    rows[n // 3 : n // 3 + 9] = 0  # a run of fill values: whole empty chunks in most cases
+    return rows
+
+
+def _zarr_objects(
+    dtype: str, inner: tuple[int, ...], chunk: int, per_shard: int, rows: np.ndarray,
+    compressor: str | None,
+) -> dict[str, bytes]:
+    store = MemoryStore()
+    group = zarr.open_group(store=ZarrStoreAdapter(store), mode="w")
+    array = group.create_array(
+        "x",
+        shape=(0, *inner),
+        dtype=dtype,
+        chunks=(chunk, *inner),
+        shards=(chunk * per_shard, *inner),
+        compressors=[ZstdCodec(level=1)] if compressor else None,
+        fill_value=0,
+        config={"write_empty_chunks": True},
+    )
+    array.resize(rows.shape)
+    array[:] = rows
+    return {info.key: store.get(info.key) for info in store.list("")}
+
+
+def _our_objects(
+    dtype: str, inner: tuple[int, ...], chunk: int, per_shard: int, rows: np.ndarray,
+    compressor: str | None, seed: int,
+) -> tuple[dict[str, bytes], tuple[ShardInfo, ...]]:
+    store = MemoryStore()
+    adapter = ZarrStoreAdapter.holding_metadata(store)
+    group = zarr.open_group(store=adapter, mode="w")
+    writer = ArrayWriter(group, adapter, "x", np.dtype(dtype), inner, chunk, per_shard, compressor)
+    rng = np.random.default_rng(seed)
+    at = 0
+    while at < len(rows):  # uneven appends, some crossing shard boundaries
+        n = int(rng.integers(1, 2 * chunk * per_shard + 2))
+        writer.append(rows[at : at + n])
+        at += n
+    info = writer.finish()
+    adapter.flush_metadata()
+    return {i.key: store.get(i.key) for i in store.list("")}, info.shards
+
+
+@pytest.mark.parametrize("compressor", [None, "zstd"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}{c[1]}x{c[4]}/{c[2]}/{c[3]}")
+def test_objects_match_zarr_byte_for_byte(
+    case: tuple[str, tuple[int, ...], int, int, int], compressor: str | None
+) -> None:
+    dtype, inner, chunk, per_shard, n = case
+    rows = _rows(dtype, inner, n, seed=n)
+    theirs = _zarr_objects(dtype, inner, chunk, per_shard, rows, compressor)
+    ours, shards = _our_objects(dtype, inner, chunk, per_shard, rows, compressor, seed=n + 1)
+    shard_keys = sorted(k for k in theirs if "/c/" in k)
+    assert len(shard_keys) == -(-n // (chunk * per_shard)) == len(shards)
+    assert sorted(ours) == sorted(theirs)
+    for key in sorted(theirs):
+        assert ours[key] == theirs[key], key
+    # the recorded sizes, tables and digests describe the stored bytes
+    for s, key in enumerate(sorted(shard_keys, key=lambda k: int(k.split("/")[2]))):
+        data = theirs[key]
+        assert shards[s].nbytes == len(data)
+        assert shards[s].table == ShardInfo.table_of(data[-tail_nbytes(per_shard):], per_shard)
+    # and zarr reads back the rows
+    back = zarr.open_group(store=ZarrStoreAdapter(_store_of(ours)), mode="r")["x"][:]
+    np.testing.assert_array_equal(back, rows)
+
+
+def _store_of(objects: dict[str, bytes]) -> MemoryStore:
+    store = MemoryStore()
+    for key, data in objects.items():
+        store.put(key, data)
+    return store
+
+
+def test_raw_shard_is_built_in_the_callers_buffer() -> None:
+    """A raw shard is a view of the buffer the rows were written into: no copy of the rows."""
+    buffer = np.zeros(4 * 8 * 2 + tail_nbytes(2), np.uint8)
+    buffer[:40] = np.arange(40, dtype=np.uint8)
+    shard = encode_shard(buffer, 40, 32, 2, None)
+    assert np.shares_memory(np.frombuffer(shard.data, np.uint8), buffer)
+    assert len(shard.data) == 64 + tail_nbytes(2)
+    assert bytes(shard.data[40:64]) == bytes(24)  # the last chunk's padding
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "size", "match"),
+    [(0, 100, "1 to 32 bytes"), (33, 100, "1 to 32 bytes"), (8, 20, "smaller than a raw shard")],
+)
+def test_bad_arguments_are_refused(nbytes: int, size: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        encode_shard(np.zeros(size, np.uint8), nbytes, 16, 2, None)
+    with pytest.raises(ValueError, match="unknown compressor"):
+        encode_shard(np.zeros(100, np.uint8), 8, 16, 2, "lz4")
