@@ -1,28 +1,61 @@
 """One zarr array of a dataset being written: rows in, whole shard objects out.
 
 Contract: `ArrayWriter.append` copies rows into the current shard's buffer; each full shard is
-encoded (shard_encoding.py: the bytes zarr itself would store) and put through the adapter,
-the last one at `finish`, so every shard object is written once. zarr-python makes the array's
-``zarr.json`` (held by the adapter until the writer flushes it), and `finish` sets its final
-shape. The digests the dataset index records come from the encoded bytes themselves, before
-they are put; nothing is read back.
+encoded (zarr_encoding.py: the bytes zarr-python itself would store) and put, the last one and
+then the array's ``zarr.json`` (once, in its final form) at `finish`, so every object is written
+once. The digests the dataset index records come from the encoded bytes themselves, before
+they are put; nothing is read back. Objects go through `ObjectWrites`: one deferred batch
+(`Store.deferred`) under the writer's prefix, durable and visible at its `commit()`.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
-import zarr
-from zarr.codecs import ZstdCodec
 
 from ckptstore.errors import FormatError
+from ckptstore.stores import Store
 
 from .format import ArrayInfo, ShardInfo
-from .shard_encoding import encode_shard, tail_nbytes
-from .zarr_adapter import ZarrStoreAdapter
+from .zarr_encoding import array_metadata, encode_shard, tail_nbytes
 
-__all__ = ["ArrayWriter"]
+__all__ = ["ArrayWriter", "ObjectWrites"]
+
+
+class ObjectWrites:
+    """A writer's objects: keys under `prefix` in `store`, put through one deferred batch.
+    Never deletes (a partition written again writes the same bytes to the same keys, and a
+    concurrent duplicate must not delete what another copy has reported). Thread-safe."""
+
+    def __init__(self, store: Store, prefix: str = "") -> None:
+        self.store, self.prefix = store, prefix.strip("/")
+        self.batch = store.deferred()
+        self._nbytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Write one object (`key` relative to the prefix); its bytes are written (not yet
+        durable) when this returns."""
+        with self._lock:
+            self._nbytes += len(data)
+        self.batch.put(f"{self.prefix}/{key}" if self.prefix else key, data)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes put since the last `commit()`."""
+        return self._nbytes
+
+    def commit(self) -> None:
+        """Make every object put so far durable and visible (DurabilityError if that fails)."""
+        with self._lock:
+            self._nbytes = 0
+        self.batch.commit()
+
+    def abandon(self) -> None:
+        """Drop the objects not yet committed."""
+        self.batch.abandon()
 
 
 class ArrayWriter:
@@ -30,8 +63,7 @@ class ArrayWriter:
 
     def __init__(
         self,
-        group: zarr.Group,
-        adapter: ZarrStoreAdapter,
+        writes: ObjectWrites,
         path: str,
         dtype: np.dtype,
         inner: tuple[int, ...],
@@ -44,19 +76,7 @@ class ArrayWriter:
         self.compressor = compressor
         self.shard_rows = chunk_len * chunks_per_shard
         self.row_nbytes = math.prod(inner) * self.dtype.itemsize
-        self.adapter = adapter
-        compressors = [ZstdCodec(level=1)] if compressor == "zstd" else None
-        self.array = group.create_array(
-            path,
-            shape=(0, *inner),
-            dtype=self.dtype,
-            chunks=(chunk_len, *inner),
-            shards=(self.shard_rows, *inner),
-            compressors=compressors,
-            fill_value=0,
-            config={"write_empty_chunks": True},
-            overwrite=True,  # a partition written again: same keys, same bytes
-        )
+        self.writes = writes
         # the current shard: raw rows at the front, room for the tail after a full shard
         self._buffer = np.empty(
             self.shard_rows * self.row_nbytes + tail_nbytes(chunks_per_shard), np.uint8
@@ -89,7 +109,7 @@ class ArrayWriter:
             self._buffer, nbytes, self.chunk_len * self.row_nbytes, self.chunks_per_shard,
             self.compressor,
         )
-        self.adapter.put_object(self._shard_key(len(self.shards)), shard.data)
+        self.writes.put(self._shard_key(len(self.shards)), shard.data)
         self.shards.append(shard.info)
         self._filled = 0
 
@@ -98,11 +118,14 @@ class ArrayWriter:
         return "/".join([self.path, "c", str(shard), *("0" * len(self.inner))])
 
     def finish(self) -> ArrayInfo:
-        """Write the last (partial) shard, set the array's final shape; the array's entry
+        """Write the last (partial) shard and the array's zarr.json; return the array's entry
         in the dataset index."""
         if self._filled:
             self._write_shard()
-        self.array.resize((self.rows, *self.inner))  # metadata only: it grows from 0 rows
+        self.writes.put(f"{self.path}/zarr.json", array_metadata(
+            self.dtype, (self.rows, *self.inner), self.chunk_len, self.chunks_per_shard,
+            self.compressor,
+        ))
         num_shards = -(-self.rows // self.shard_rows)
         if len(self.shards) != num_shards:  # pragma: no cover - append keeps them in step
             raise FormatError(f"array {self.path!r}: {len(self.shards)} shards written for "

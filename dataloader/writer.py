@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import zarr
 
 from ckptstore.errors import FormatError, ObjectExistsError
 from ckptstore.stores import Store, open_store
 
-from .array_writer import ArrayWriter
+from .array_writer import ArrayWriter, ObjectWrites
 from .format import (
     INDEX_KEY,
     KINDS,
@@ -41,7 +40,7 @@ from .format import (
     load_index,
     validate_field_name,
 )
-from .zarr_adapter import ZarrStoreAdapter
+from .zarr_encoding import group_metadata
 
 __all__ = ["DatasetWriter", "write_dataset"]
 
@@ -235,10 +234,7 @@ class DatasetWriter:
         if not self._prefix:
             self._check_target(overwrite)
         self._arrays: dict[str, ArrayWriter] = {}
-        adapter = _KeepingAdapter if self._prefix else ZarrStoreAdapter
-        # zarr.json objects are written once, in their final form, by finish_arrays
-        self._adapter = adapter.holding_metadata(self.store, self._prefix, deferred=True)
-        self._group: zarr.Group | None = None
+        self._writes = ObjectWrites(self.store, self._prefix)
         self._specs: dict[str, _Spec] | None = None
         self._probe_specs: dict[str, _Spec] | None = None
         self._probe: list[dict[str, Any]] = []
@@ -315,7 +311,6 @@ class DatasetWriter:
         per_field = {
             k: sum(_value_nbytes(s, r[k]) for r in self._probe) / n for k, s in specs.items()
         }
-        self._group = zarr.open_group(store=self._adapter, mode="w", attributes={"dataloader": 1})
 
         def shards(chunk_nbytes: int, chunks_needed: int | None = None) -> int:
             per = int(min(max(1, self.shard_bytes // max(1, chunk_nbytes)), _MAX_CHUNKS_PER_SHARD))
@@ -358,7 +353,6 @@ class DatasetWriter:
     def _add_array(
         self, path: str, dtype: np.dtype, inner: tuple[int, ...], chunk_len: int, per_shard: int
     ) -> None:
-        assert self._group is not None
         nbytes = chunk_len * math.prod(inner) * dtype.itemsize
         if nbytes > MAX_CHUNK_NBYTES:
             raise ValueError(
@@ -366,7 +360,7 @@ class DatasetWriter:
                 "limit (lower rows_per_chunk, chunk_bytes or data_chunk_bytes)"
             )
         self._arrays[path] = ArrayWriter(
-            self._group, self._adapter, path, dtype, inner, chunk_len, per_shard, self.compression
+            self._writes, path, dtype, inner, chunk_len, per_shard, self.compression
         )
 
     def _push(self, row: dict[str, Any]) -> None:
@@ -408,8 +402,8 @@ class DatasetWriter:
                 self._arrays[f"{name}/data"].append(data)
                 self._data_len[name] = start + int(lengths.sum())
                 self._bounds[name].append(self._data_len[name])
-        if self._adapter.uncommitted_bytes >= _COMMIT_BYTES:  # bound what waits for a commit
-            self._adapter.commit_writes()
+        if self._writes.nbytes >= _COMMIT_BYTES:  # bound what waits for a commit
+            self._writes.commit()
 
     # -- commit ---------------------------------------------------------------------------
     def close(self) -> DatasetIndex:
@@ -443,7 +437,9 @@ class DatasetWriter:
             if spec.kind in ("ragged", "bytes", "str"):  # final offset: N+1 rows
                 self._arrays[f"{name}/offsets"].append(np.asarray([self._data_len[name]], np.int64))
         arrays = {path: w.finish() for path, w in self._arrays.items()}
-        self._adapter.flush_metadata()  # before any sync: the caller makes it all durable
+        self._writes.put("zarr.json", group_metadata({"dataloader": 1}))
+        for group in sorted({p.rpartition("/")[0] for p in arrays} - {""}):  # a field's group
+            self._writes.put(f"{group}/zarr.json", group_metadata({}))
         fields = []
         for name, spec in self._specs.items():
             if spec.kind in ("scalar", "fixed"):
@@ -480,14 +476,14 @@ class DatasetWriter:
     def commit_writes(self) -> None:
         """Make every object written so far durable: the writer puts through a deferred batch
         (`Store.deferred`), so a partition or dataset pays for its fsyncs once, together."""
-        self._adapter.commit_writes()
+        self._writes.commit()
 
     def abandon(self) -> None:
         """Stop without committing (closes the store if this writer opened it); objects not
         yet made durable by `commit_writes` are dropped."""
         if not self._closed:
             self._closed = True
-            self._adapter.abandon_writes()
+            self._writes.abandon()
             if self._owns_store:
                 self.store.close()
 
@@ -525,15 +521,6 @@ def check_sample(i: int, sample: Mapping[str, Any], specs: dict[str, _Spec]) -> 
         )
         raise ValueError(f"sample {i}: {', '.join(parts)} (fields are {sorted(specs)})")
     return {name: _coerce(i, spec, sample[name]) for name, spec in specs.items()}
-
-
-class _KeepingAdapter(ZarrStoreAdapter):
-    """A partition's zarr store: never deletes. A partition written again (a retried or
-    speculative task) overwrites its keys with the same bytes; a concurrent duplicate must not
-    delete objects another copy has already reported."""
-
-    async def delete(self, key: str) -> None:
-        return None
 
 
 def choose_rows_per_chunk(

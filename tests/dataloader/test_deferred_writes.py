@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import dataloader
 from ckptstore.stores import LocalStore
@@ -77,25 +76,3 @@ def test_gc_keeps_young_temps(tmp_path: Path) -> None:
     dataloader.gc_partitions(store, grace_seconds=3600, now=time.time() + 7200)
     assert list(store.temp_files()) == []
     batch.abandon()
-
-
-def test_adapter_refuses_to_read_back_an_uncommitted_object(tmp_path: Path) -> None:
-    """zarr would take a shard the store does not show yet for an empty one: the adapter
-    raises instead, until the batch is committed."""
-    import asyncio
-
-    from zarr.core.buffer import default_buffer_prototype
-
-    from dataloader.zarr_adapter import ZarrStoreAdapter
-
-    store = LocalStore(tmp_path / "ds")
-    adapter = ZarrStoreAdapter.holding_metadata(store, "p", deferred=True)
-    proto = default_buffer_prototype()
-    asyncio.run(adapter.set("x/c/0", proto.buffer.from_bytes(b"shard bytes")))
-    assert not store.exists("p/x/c/0")
-    with pytest.raises(RuntimeError, match="before its commit"):
-        asyncio.run(adapter.get("x/c/0", proto))
-    adapter.commit_writes()
-    got = asyncio.run(adapter.get("x/c/0", proto))
-    assert got is not None and got.to_bytes() == b"shard bytes"
-    assert store.get("p/x/c/0") == b"shard bytes"

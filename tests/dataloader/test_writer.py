@@ -140,3 +140,19 @@ def test_index_is_json_and_tampering_is_detected(small_uri):
     s2.put(INDEX_KEY, json.dumps(doc).encode())
     with pytest.raises(dataloader.format.FormatError, match="fingerprint"):
         dataloader.StreamingDataset(copy)
+
+
+@pytest.mark.parametrize("workers", [None, 2])
+def test_a_write_deletes_nothing_it_did_not_write(tmp_path, workers):
+    """Files already in the target that no dataset index lists survive a write, with or
+    without overwrite= (zarr's group creation used to delete everything under the target)."""
+    target = tmp_path / "ds"
+    (target / "notes").mkdir(parents=True)
+    (target / "notes" / "readme.txt").write_text("mine")
+    (target / "top.bin").write_bytes(b"keep")
+    samples = [{"x": i} for i in range(50)]
+    dataloader.write_dataset(str(target), samples, workers=workers)
+    dataloader.write_dataset(str(target), samples[:20], workers=workers, overwrite=True)
+    assert (target / "notes" / "readme.txt").read_text() == "mine"
+    assert (target / "top.bin").read_bytes() == b"keep"
+    assert [int(s["x"]) for s in dataloader.StreamingDataset(str(target))] == list(range(20))

@@ -1,4 +1,4 @@
-"""The writer's own shard encoder against zarr-python: for every array shape the writer makes,
+"""The writer's own zarr encoding against zarr-python: for every array shape the writer makes,
 the objects stored (every shard and the array's zarr.json) must be byte for byte the ones zarr
 stores when it writes the same rows itself. Rows are appended in uneven pieces, so shards are
 filled across appends, and include all-zero chunks (the fill value, which zarr still stores
@@ -12,10 +12,10 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from ckptstore.stores import MemoryStore
-from dataloader.array_writer import ArrayWriter
+from dataloader.array_writer import ArrayWriter, ObjectWrites
 from dataloader.format import ShardInfo
-from dataloader.shard_encoding import encode_shard, tail_nbytes
 from dataloader.zarr_adapter import ZarrStoreAdapter
+from dataloader.zarr_encoding import array_metadata, encode_shard, group_metadata, tail_nbytes
 
 CASES = [
     # dtype, inner shape, rows per chunk, chunks per shard, rows in all
@@ -67,9 +67,8 @@ def _our_objects(
     compressor: str | None, seed: int,
 ) -> tuple[dict[str, bytes], tuple[ShardInfo, ...]]:
     store = MemoryStore()
-    adapter = ZarrStoreAdapter.holding_metadata(store)
-    group = zarr.open_group(store=adapter, mode="w")
-    writer = ArrayWriter(group, adapter, "x", np.dtype(dtype), inner, chunk, per_shard, compressor)
+    writes = ObjectWrites(store)
+    writer = ArrayWriter(writes, "x", np.dtype(dtype), inner, chunk, per_shard, compressor)
     rng = np.random.default_rng(seed)
     at = 0
     while at < len(rows):  # uneven appends, some crossing shard boundaries
@@ -77,7 +76,8 @@ def _our_objects(
         writer.append(rows[at : at + n])
         at += n
     info = writer.finish()
-    adapter.flush_metadata()
+    writes.put("zarr.json", group_metadata({}))
+    writes.commit()
     return {i.key: store.get(i.key) for i in store.list("")}, info.shards
 
 
@@ -131,3 +131,34 @@ def test_bad_arguments_are_refused(nbytes: int, size: int, match: str) -> None:
         encode_shard(np.zeros(size, np.uint8), nbytes, 16, 2, None)
     with pytest.raises(ValueError, match="unknown compressor"):
         encode_shard(np.zeros(100, np.uint8), 8, 16, 2, "lz4")
+
+
+DTYPES = ["|b1", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8",
+          "<c8", "<c16"]
+
+
+@pytest.mark.parametrize("compressor", [None, "zstd"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_metadata_matches_zarr_for_every_dtype(dtype: str, compressor: str | None) -> None:
+    """Every dtype the writer accepts: the array's and the group's zarr.json as zarr writes
+    them (attributes as the writer sets them on its groups)."""
+    store = MemoryStore()
+    group = zarr.open_group(store=ZarrStoreAdapter(store), mode="w", attributes={"dataloader": 1})
+    array = group.create_array(
+        "x", shape=(0, 2, 3), dtype=dtype, chunks=(5, 2, 3), shards=(35, 2, 3),
+        compressors=[ZstdCodec(level=1)] if compressor else None, fill_value=0,
+        config={"write_empty_chunks": True},
+    )
+    array.resize((12, 2, 3))
+    ours = array_metadata(np.dtype(dtype), (12, 2, 3), 5, 7, compressor)
+    assert ours == store.get("x/zarr.json")
+    assert group_metadata({"dataloader": 1}) == store.get("zarr.json")
+
+
+def test_metadata_refuses_what_it_cannot_encode() -> None:
+    with pytest.raises(ValueError, match="no zarr encoding"):
+        array_metadata(np.dtype(">i4"), (3,), 1, 1, None)
+    with pytest.raises(ValueError, match="no zarr encoding"):
+        array_metadata(np.dtype("U3"), (3,), 1, 1, None)
+    with pytest.raises(ValueError, match="unknown compressor"):
+        array_metadata(np.dtype("<i4"), (3,), 1, 1, "gzip")

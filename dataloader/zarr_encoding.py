@@ -1,10 +1,12 @@
-"""The bytes of one shard object, encoded here instead of by zarr-python's codec pipeline.
+"""The bytes of the zarr v3 objects the writer stores, encoded here instead of by zarr-python.
 
-Contract: `encode_shard` returns exactly the bytes zarr-python stores for the same rows of an
-array made by the writer (zarr v3 ``sharding_indexed``; chunks along dim 0 only; inner codecs
-``bytes`` little-endian, then optionally ``zstd`` at level 1 without checksum; index at the end,
-encoded ``bytes`` + ``crc32c``; ``write_empty_chunks``). tests/dataloader/test_shard_encoding.py
-holds it to that, object for object, against zarr itself. What zarr does, and so what this does:
+Contract: `encode_shard`, `array_metadata` and `group_metadata` return exactly the bytes
+zarr-python 3.1 stores for the same rows, array and group (the writer's arrays only: a regular
+grid sharded along dim 0; inner codecs ``bytes`` little-endian, then optionally ``zstd`` at
+level 1 without checksum; index at the end, encoded ``bytes`` + ``crc32c``; fill value 0;
+``write_empty_chunks``). tests/dataloader/test_zarr_encoding.py holds them to that, object for
+object, against zarr itself, so any zarr reader opens what the writer stores. What zarr does
+for shards, and so what this does:
 
 - a shard holds its chunks in order, back to back, then the index: one little-endian
   (offset, nbytes) uint64 pair per chunk of the shard, (2**64-1, 2**64-1) for a chunk not
@@ -13,14 +15,16 @@ holds it to that, object for object, against zarr itself. What zarr does, and so
   the full chunk length with zeros (the fill value).
 
 Why not zarr: writing through `Array.__setitem__` runs an asyncio pipeline per shard that
-copies every byte three times and holds the caller until the put is done. Here a raw shard is
-the caller's row buffer itself plus a tail written after it: no copy at all, and the put can
-run beside the next shard's sample work.
+copies every byte three times and holds the caller until the put is done, and creating an array
+costs milliseconds of event-loop round trips (a partition creates several). Here a raw shard is
+the caller's row buffer itself plus a tail written after it: no copy at all.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -29,7 +33,7 @@ from ckptstore.format.hashing import digest
 
 from .format import EMPTY, ShardInfo
 
-__all__ = ["EncodedShard", "encode_shard", "tail_nbytes"]
+__all__ = ["EncodedShard", "array_metadata", "encode_shard", "group_metadata", "tail_nbytes"]
 
 
 def tail_nbytes(chunks_per_shard: int) -> int:
@@ -91,3 +95,60 @@ def encode_shard(
         buffer[body_end : body_end + len(tail)] = np.frombuffer(tail, np.uint8)
         return EncodedShard(view[: body_end + len(tail)], info)
     return EncodedShard(memoryview(b"".join([*chunks, tail])), info)
+
+
+def group_metadata(attributes: dict[str, Any]) -> bytes:
+    """A group's ``zarr.json``."""
+    return _json({"attributes": attributes, "zarr_format": 3, "node_type": "group"})
+
+
+def array_metadata(
+    dtype: np.dtype, shape: tuple[int, ...], chunk_len: int, chunks_per_shard: int,
+    compressor: str | None,
+) -> bytes:
+    """An array's ``zarr.json``: `shape` rows of shape[1:], chunks of `chunk_len` rows,
+    `chunks_per_shard` chunks per shard object, fill value 0."""
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "biufc" or dtype.byteorder == ">":
+        raise ValueError(f"no zarr encoding here for dtype {dtype}")
+    inner = list(shape[1:])
+    bytes_codec: dict[str, Any] = {"name": "bytes"}
+    if dtype.itemsize > 1:  # zarr gives one-byte types no endianness
+        bytes_codec["configuration"] = {"endian": "little"}
+    codecs = [bytes_codec]
+    if compressor == "zstd":
+        codecs.append({"name": "zstd", "configuration": {"level": 1, "checksum": False}})
+    elif compressor is not None:
+        raise ValueError(f"unknown compressor {compressor!r}")
+    fill: Any = {"b": False, "f": 0.0, "c": [0.0, 0.0]}.get(dtype.kind, 0)
+    return _json({
+        "shape": list(shape),
+        "data_type": dtype.name,
+        "chunk_grid": {
+            "name": "regular",
+            "configuration": {"chunk_shape": [chunk_len * chunks_per_shard, *inner]},
+        },
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": [{
+            "name": "sharding_indexed",
+            "configuration": {
+                "chunk_shape": [chunk_len, *inner],
+                "codecs": codecs,
+                "index_codecs": [
+                    {"name": "bytes", "configuration": {"endian": "little"}},
+                    {"name": "crc32c"},
+                ],
+                "index_location": "end",
+            },
+        }],
+        "attributes": {},
+        "zarr_format": 3,
+        "node_type": "array",
+        "storage_transformers": [],
+    })
+
+
+def _json(doc: dict[str, Any]) -> bytes:
+    """zarr-python's layout of a zarr.json: two-space indents, keys in the order given."""
+    return json.dumps(doc, indent=2).encode()
