@@ -69,6 +69,7 @@ __all__ = ["commit_dataset", "gc_partitions", "write_dataset_parallel", "write_p
 RECEIPT_FORMAT = FORMAT_NAME + ".partition"
 RECEIPT_VERSION = 1
 MAX_PARTITION = 10**12 - 1  # parts/ + up to 12 digits
+_MAX_COMMITTING = 4  # written partitions waiting for their fsyncs (temp files, no samples)
 _WRITER_OPTIONS = (
     "schema", "rows_per_chunk", "chunk_bytes", "shard_bytes", "data_chunk_bytes", "compression",
     "store_options",
@@ -91,6 +92,17 @@ def write_partition(
     whose fields differ. An empty partition writes nothing and gives a receipt that the commit
     skips. Safe to call again for the same index (same samples: same bytes, same receipt).
     `first_sample` only numbers the samples in error messages."""
+    receipt, writer = _write_uncommitted(uri, index, samples, first_sample, options)
+    _commit(writer)
+    return receipt
+
+
+def _write_uncommitted(
+    uri: str | Store, index: int, samples: Iterable[Mapping[str, Any]], first_sample: int,
+    options: Mapping[str, Any],
+) -> tuple[dict[str, Any], DatasetWriter]:
+    """write_partition without its final commit: the receipt, and the writer whose objects
+    `_commit` makes durable. The receipt is valid only once that commit has returned."""
     index = check_int(index, "partition index", 0, MAX_PARTITION, ValueError)
     unknown = sorted(set(options) - set(_WRITER_OPTIONS))
     if unknown:
@@ -98,19 +110,33 @@ def write_partition(
     prefix = partition_prefix(index)
     head = {"format": RECEIPT_FORMAT, "version": RECEIPT_VERSION, "partition": index}
     writer = DatasetWriter(uri, prefix=prefix, **options)
-    writer.first_sample = check_int(first_sample, "first_sample", 0, None, ValueError)
     try:
+        writer.first_sample = check_int(first_sample, "first_sample", 0, None, ValueError)
         n = 0
         for sample in samples:
             writer.add(sample)
             n += 1
         if n == 0:
-            return {**head, "prefix": prefix, "num_samples": 0}
+            return {**head, "prefix": prefix, "num_samples": 0}, writer
         sub = writer.finish_arrays()
+    except BaseException:
+        writer.abandon()
+        raise
+    return {**head, "prefix": prefix, **sub.part_body()}, writer
+
+
+def _committed(writer: DatasetWriter, receipt: dict[str, Any]) -> dict[str, Any]:
+    """`receipt`, once its partition's writer has been committed."""
+    _commit(writer)
+    return receipt
+
+
+def _commit(writer: DatasetWriter) -> None:
+    """Make a partition writer's objects durable, then release it (closes a store it opened)."""
+    try:
         writer.commit_writes()
     finally:
         writer.abandon()
-    return {**head, "prefix": prefix, **sub.part_body()}
 
 
 def _parse_receipt(r: Any, i: int) -> tuple[int, dict[str, Any]] | None:
@@ -349,33 +375,44 @@ def write_dataset_parallel(
         if executor == "processes":
             assert isinstance(samples, Sequence) and isinstance(uri, str)
             opts["store_options"] = store_options
-            receipts = _write_forked(uri, samples, per_part, workers, opts)
-            return commit_dataset(store, receipts, metadata)
+            return commit_dataset(store, _write_forked(uri, samples, per_part, workers, opts),
+                                  metadata)
 
-        def write(p: int, part: list[Mapping[str, Any]]) -> dict[str, Any]:
-            return write_partition(store, p, part, first_sample=p * per_part, **opts)
+        def write(p: int, part: list[Mapping[str, Any]]) -> Future[dict[str, Any]]:
+            receipt, writer = _write_uncommitted(store, p, part, p * per_part, opts)
+            # the writer thread goes on to its next partition while the fsyncs finish
+            return committer.submit(_committed, writer, receipt)
 
-        receipts = []
-        pending: deque[Future[dict[str, Any]]] = deque()
-        with ThreadPoolExecutor(workers, thread_name_prefix="dataloader-write") as pool:
+        receipts: list[dict[str, Any]] = []
+        writing: deque[Future[Future[dict[str, Any]]]] = deque()
+        committing: deque[Future[dict[str, Any]]] = deque()
+        with ThreadPoolExecutor(workers, thread_name_prefix="dataloader-write") as pool, \
+                ThreadPoolExecutor(1, thread_name_prefix="dataloader-commit") as committer:
             try:
                 part: list[Mapping[str, Any]] = []
                 p = 0
                 samples_in_order = itertools.chain(probe, it)
                 del probe  # held by the chain only until it is consumed
+
+                def settle(max_writing: int) -> None:
+                    while len(writing) > max_writing:
+                        committing.append(writing.popleft().result())
+                        while len(committing) > _MAX_COMMITTING:
+                            receipts.append(committing.popleft().result())
+
                 for sample in samples_in_order:
                     part.append(sample)
                     if len(part) == per_part:
-                        pending.append(pool.submit(write, p, part))
+                        writing.append(pool.submit(write, p, part))
                         part, p = [], p + 1
-                        while len(pending) > workers:
-                            receipts.append(pending.popleft().result())
+                        settle(workers)
                 if part or p == 0:
-                    pending.append(pool.submit(write, p, part))
-                while pending:
-                    receipts.append(pending.popleft().result())
+                    writing.append(pool.submit(write, p, part))
+                settle(0)
+                receipts.extend(f.result() for f in committing)
+                committing.clear()
             except BaseException:
-                for fut in pending:
+                for fut in writing:
                     fut.cancel()
                 raise
         return commit_dataset(store, receipts, metadata)

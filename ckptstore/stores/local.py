@@ -57,7 +57,7 @@ _ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # the root may be a l
 _DIR_FLAGS = _ROOT_FLAGS | os.O_NOFOLLOW
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 _ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
-_FSYNC_THREADS = 4  # per deferred batch: fsyncs wait on the disk, not on a core
+_FSYNC_THREADS = 4  # per store, for its deferred batches: fsyncs wait on the disk, not a core
 
 
 def _fs_error(exc: OSError, message: str, reason: str | None = None) -> StoreError:
@@ -132,6 +132,7 @@ class LocalStore(Store):
         self._lock = threading.Lock()
         self._sync_turn = threading.Lock()  # syncs run one at a time (module docstring)
         self._sync_failed: str | None = None  # the first failed folder fsync, sticky
+        self._fsyncs: cf.ThreadPoolExecutor | None = None  # deferred batches' fsyncs (lazy)
 
     def _make_root(self) -> None:
         try:
@@ -384,8 +385,28 @@ class LocalStore(Store):
         """Puts written to temp files at once and fsynced in the background (concurrent
         fsyncs share journal commits); `commit()` waits for those fsyncs, then renames each
         temp into place and fsyncs the folders. A temp file is renamed only after its own
-        fsync returned, so a final name never holds bytes that are not durable."""
+        fsync returned, so a final name never holds bytes that are not durable. The store's
+        batches share one pool of fsync threads, made on first use, ended by `close()`."""
         return _LocalDeferredPuts(self)
+
+    def _fsync_in_background(self, fd: int, what: str) -> cf.Future[None]:
+        """fsync and close `fd` on the store's fsync pool (closes it at once if that fails)."""
+        with self._lock:
+            if self._fsyncs is None:
+                self._fsyncs = cf.ThreadPoolExecutor(_FSYNC_THREADS,
+                                                     thread_name_prefix="ckptstore-fsync")
+            try:
+                return self._fsyncs.submit(_fsync_and_close, fd, what)
+            except BaseException:
+                os.close(fd)
+                raise
+
+    def close(self) -> None:
+        """End the fsync pool (after the fsyncs already handed to it)."""
+        with self._lock:
+            pool, self._fsyncs = self._fsyncs, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def create(self, key: str, data: Buffer) -> None:
         dir_fd, name = self._writable_parent(key)
@@ -535,7 +556,6 @@ class _LocalDeferredPuts(DeferredPuts):
         self._lock = threading.Lock()
         # (key, temp name, the temp's fsync): renamed into place by the next commit
         self._pending: list[tuple[str, str, cf.Future[None]]] = []
-        self._pool: cf.ThreadPoolExecutor | None = None
 
     def put(self, key: str, data: Buffer) -> None:
         store = self._local
@@ -544,31 +564,19 @@ class _LocalDeferredPuts(DeferredPuts):
             tmp, fd = store._write_temp_unsynced(dir_fd, key, name, data)
         finally:
             os.close(dir_fd)
+        done = store._fsync_in_background(fd, f"a temp file for {store._show(key)}")
         with self._lock:
-            if self._pool is None:
-                self._pool = cf.ThreadPoolExecutor(_FSYNC_THREADS,
-                                                   thread_name_prefix="ckptstore-fsync")
-            try:
-                done = self._pool.submit(_fsync_and_close, fd, f"a temp file for "
-                                         f"{store._show(key)}")
-            except BaseException:
-                os.close(fd)
-                raise
             self._pending.append((key, tmp, done))
 
     def commit(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
-            pool, self._pool = self._pool, None  # later puts start a pool of their own
         try:
             for _, _, done in pending:  # every temp durable before any rename
                 done.result()
         except BaseException:
             self._remove(pending)
             raise
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=False)  # its work is done or failed: threads exit now
         for i, (key, tmp, _) in enumerate(pending):
             dir_fd, name = self._local._writable_parent(key)
             try:
@@ -585,10 +593,7 @@ class _LocalDeferredPuts(DeferredPuts):
     def abandon(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
-            pool, self._pool = self._pool, None
         self._remove(pending)
-        if pool is not None:
-            pool.shutdown(wait=False)
 
     def _remove(self, pending: list[tuple[str, str, cf.Future[None]]]) -> None:
         """Remove these temp files (after their fsyncs ended: those close the descriptors)."""
@@ -600,11 +605,6 @@ class _LocalDeferredPuts(DeferredPuts):
                     _unlink_quietly(dir_fd, tmp)
                 finally:
                     os.close(dir_fd)
-
-    def __del__(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False)
 
 
 def _fsync_and_close(fd: int, what: str) -> None:
