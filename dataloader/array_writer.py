@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -78,10 +79,10 @@ class ArrayWriter:
         self.row_nbytes = math.prod(inner) * self.dtype.itemsize
         self.writes = writes
         # the current shard: raw rows at the front, room for the tail after a full shard
-        self._buffer = np.empty(
-            self.shard_rows * self.row_nbytes + tail_nbytes(chunks_per_shard), np.uint8
-        )
-        self._filled = 0  # rows in the current shard
+        self._tail = tail_nbytes(chunks_per_shard)
+        self._buffer = np.empty(self.shard_rows * self.row_nbytes + self._tail, np.uint8)
+        self._view = self._buffer.data.cast("B")
+        self._filled = 0  # bytes of rows in the current shard
         self.rows = 0  # rows appended in all
         self.shards: list[ShardInfo] = []
 
@@ -91,22 +92,32 @@ class ArrayWriter:
         if rows.shape[1:] != self.inner:
             raise ValueError(f"array {self.path!r}: rows of shape {rows.shape[1:]}, "
                              f"expected {self.inner}")
-        done = 0
-        while done < len(rows):
-            take = min(len(rows) - done, self.shard_rows - self._filled)
-            start = self._filled * self.row_nbytes
-            part = rows[done : done + take]
-            self._buffer[start : start + part.nbytes] = part.reshape(-1).view(np.uint8)
-            self._filled += take
-            done += take
-            if self._filled == self.shard_rows:
-                self._write_shard()
-        self.rows += len(rows)
+        self.append_parts([rows])
+
+    def append_parts(self, parts: Iterable[bytes | np.ndarray]) -> None:
+        """Append rows given as consecutive pieces, without joining them first: bytes, or
+        C-contiguous arrays of this array's dtype, each a whole number of rows."""
+        view, cap, row = self._view, len(self._view) - self._tail, self.row_nbytes
+        for part in parts:
+            data = (part.reshape(-1).view(np.uint8).data if isinstance(part, np.ndarray)
+                    else memoryview(part))
+            n = len(data)
+            if n % row:
+                raise ValueError(f"array {self.path!r}: a piece of {n} bytes is not a whole "
+                                 f"number of {row}-byte rows")
+            at = 0
+            while at < n:
+                take = min(n - at, cap - self._filled)
+                view[self._filled : self._filled + take] = data[at : at + take]
+                self._filled += take
+                at += take
+                if self._filled == cap:
+                    self._write_shard()
+            self.rows += n // row
 
     def _write_shard(self) -> None:
-        nbytes = self._filled * self.row_nbytes
         shard = encode_shard(
-            self._buffer, nbytes, self.chunk_len * self.row_nbytes, self.chunks_per_shard,
+            self._buffer, self._filled, self.chunk_len * self.row_nbytes, self.chunks_per_shard,
             self.compressor,
         )
         self.writes.put(self._shard_key(len(self.shards)), shard.data)

@@ -180,6 +180,12 @@ def _coerce(i: int, spec: _Spec, value: Any) -> Any:
         raise _bad(i, name, f"str is not encodable as UTF-8 ({exc.reason})", ValueError) from None
 
 
+def _as_stored(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`value`'s elements in the field's (little-endian) dtype, C-contiguous: a view when
+    they already are."""
+    return np.ascontiguousarray(value, dtype=np.dtype(dtype).newbyteorder("<"))
+
+
 def _value_nbytes(spec: _Spec, v: Any) -> int:
     if spec.kind == "scalar":
         return spec.dtype.itemsize
@@ -377,31 +383,28 @@ class DatasetWriter:
             vals = [r[name] for r in rows]
             if spec.kind == "scalar":
                 self._arrays[name].append(np.asarray(vals, dtype=spec.dtype))
-            elif spec.kind == "fixed":
-                self._arrays[name].append(np.stack(vals).astype(spec.dtype, copy=False))
-            else:
-                if spec.kind == "ragged":
-                    lengths = np.fromiter((v.size for v in vals), dtype=np.int64, count=len(vals))
-                    data = (
-                        np.concatenate([np.ravel(v) for v in vals]).astype(spec.dtype, copy=False)
-                        if lengths.sum()
-                        else np.zeros(0, spec.dtype)
-                    )
-                    if spec.ndim > 1:
-                        self._arrays[f"{name}/shapes"].append(
-                            np.asarray([v.shape for v in vals], dtype=np.int64).reshape(
-                                len(vals), spec.ndim
-                            )
+                continue
+            if spec.kind == "fixed":  # shapes were checked by _coerce
+                self._arrays[name].append_parts(_as_stored(v, spec.dtype) for v in vals)
+                continue
+            data = self._arrays[f"{name}/data"]
+            if spec.kind == "ragged":
+                lengths = np.fromiter((v.size for v in vals), dtype=np.int64, count=len(vals))
+                data.append_parts(_as_stored(v, spec.dtype) for v in vals)
+                if spec.ndim > 1:
+                    self._arrays[f"{name}/shapes"].append(
+                        np.asarray([v.shape for v in vals], dtype=np.int64).reshape(
+                            len(vals), spec.ndim
                         )
-                else:
-                    lengths = np.fromiter((len(v) for v in vals), dtype=np.int64, count=len(vals))
-                    data = np.frombuffer(b"".join(vals), dtype=np.uint8)
-                start = self._data_len[name]
-                offs = start + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-                self._arrays[f"{name}/offsets"].append(offs)
-                self._arrays[f"{name}/data"].append(data)
-                self._data_len[name] = start + int(lengths.sum())
-                self._bounds[name].append(self._data_len[name])
+                    )
+            else:  # bytes, str (already UTF-8 bytes)
+                lengths = np.fromiter((len(v) for v in vals), dtype=np.int64, count=len(vals))
+                data.append_parts(vals)
+            start = self._data_len[name]
+            offs = start + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+            self._arrays[f"{name}/offsets"].append(offs)
+            self._data_len[name] = start + int(lengths.sum())
+            self._bounds[name].append(self._data_len[name])
         if self._writes.nbytes >= _COMMIT_BYTES:  # bound what waits for a commit
             self._writes.commit()
 

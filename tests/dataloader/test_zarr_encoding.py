@@ -1,7 +1,7 @@
 """The writer's own zarr encoding against zarr-python: for every array shape the writer makes,
 the objects stored (every shard and the array's zarr.json) must be byte for byte the ones zarr
-stores when it writes the same rows itself. Rows are appended in uneven pieces, so shards are
-filled across appends, and include all-zero chunks (the fill value, which zarr still stores
+stores when it writes the same rows itself. Rows are appended in uneven pieces (whole arrays,
+and runs of small array and bytes pieces), so shards are filled across appends, and include all-zero chunks (the fill value, which zarr still stores
 with write_empty_chunks)."""
 
 from __future__ import annotations
@@ -73,7 +73,13 @@ def _our_objects(
     at = 0
     while at < len(rows):  # uneven appends, some crossing shard boundaries
         n = int(rng.integers(1, 2 * chunk * per_shard + 2))
-        writer.append(rows[at : at + n])
+        piece = rows[at : at + n]
+        if rng.integers(2):
+            writer.append(piece)
+        else:  # the same rows as pieces of 1-3 rows, arrays and bytes (no join)
+            cuts = np.cumsum(rng.integers(1, 4, size=len(piece)))
+            parts = np.split(piece, cuts[cuts < len(piece)])
+            writer.append_parts(p.tobytes() if i % 2 else p for i, p in enumerate(parts))
         at += n
     info = writer.finish()
     writes.put("zarr.json", group_metadata({}))
@@ -162,3 +168,11 @@ def test_metadata_refuses_what_it_cannot_encode() -> None:
         array_metadata(np.dtype("U3"), (3,), 1, 1, None)
     with pytest.raises(ValueError, match="unknown compressor"):
         array_metadata(np.dtype("<i4"), (3,), 1, 1, "gzip")
+
+
+def test_a_piece_that_is_not_whole_rows_is_refused() -> None:
+    writer = ArrayWriter(ObjectWrites(MemoryStore()), "x", np.dtype("<i4"), (3,), 2, 2, None)
+    with pytest.raises(ValueError, match="not a whole number of 12-byte rows"):
+        writer.append_parts([bytes(12), bytes(13)])
+    with pytest.raises(ValueError, match=r"rows of shape \(2,\), expected \(3,\)"):
+        writer.append(np.zeros((1, 2), np.int32))
