@@ -29,7 +29,7 @@ import itertools
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -69,7 +69,8 @@ __all__ = ["commit_dataset", "gc_partitions", "write_dataset_parallel", "write_p
 RECEIPT_FORMAT = FORMAT_NAME + ".partition"
 RECEIPT_VERSION = 1
 MAX_PARTITION = 10**12 - 1  # parts/ + up to 12 digits
-_MAX_COMMITTING = 4  # written partitions waiting for their fsyncs (temp files, no samples)
+_MAX_SEALING = 4  # filled partitions being sealed (each holds its last shards' buffers)
+_SEALERS = 2  # threads writing partitions' last shards and waiting for their fsyncs
 _WRITER_OPTIONS = (
     "schema", "rows_per_chunk", "chunk_bytes", "shard_bytes", "data_chunk_bytes", "compression",
     "store_options",
@@ -92,17 +93,16 @@ def write_partition(
     whose fields differ. An empty partition writes nothing and gives a receipt that the commit
     skips. Safe to call again for the same index (same samples: same bytes, same receipt).
     `first_sample` only numbers the samples in error messages."""
-    receipt, writer = _write_uncommitted(uri, index, samples, first_sample, options)
-    _commit(writer)
-    return receipt
+    return _fill_partition(uri, index, samples, first_sample, options)()
 
 
-def _write_uncommitted(
+def _fill_partition(
     uri: str | Store, index: int, samples: Iterable[Mapping[str, Any]], first_sample: int,
     options: Mapping[str, Any],
-) -> tuple[dict[str, Any], DatasetWriter]:
-    """write_partition without its final commit: the receipt, and the writer whose objects
-    `_commit` makes durable. The receipt is valid only once that commit has returned."""
+) -> Callable[[], dict[str, Any]]:
+    """The first part of write_partition: check and buffer every sample (shards that fill up
+    are written on the way). Returns the rest, to call once, on any thread: write the last
+    shards and the metadata, commit, return the receipt (or abandon and raise)."""
     index = check_int(index, "partition index", 0, MAX_PARTITION, ValueError)
     unknown = sorted(set(options) - set(_WRITER_OPTIONS))
     if unknown:
@@ -116,27 +116,21 @@ def _write_uncommitted(
         for sample in samples:
             writer.add(sample)
             n += 1
-        if n == 0:
-            return {**head, "prefix": prefix, "num_samples": 0}, writer
-        sub = writer.finish_arrays()
     except BaseException:
         writer.abandon()
         raise
-    return {**head, "prefix": prefix, **sub.part_body()}, writer
 
+    def seal() -> dict[str, Any]:
+        try:
+            if n == 0:
+                return {**head, "prefix": prefix, "num_samples": 0}
+            sub = writer.finish_arrays()
+            writer.commit_writes()
+            return {**head, "prefix": prefix, **sub.part_body()}
+        finally:
+            writer.abandon()  # nothing left to drop after a commit; closes a store it opened
 
-def _committed(writer: DatasetWriter, receipt: dict[str, Any]) -> dict[str, Any]:
-    """`receipt`, once its partition's writer has been committed."""
-    _commit(writer)
-    return receipt
-
-
-def _commit(writer: DatasetWriter) -> None:
-    """Make a partition writer's objects durable, then release it (closes a store it opened)."""
-    try:
-        writer.commit_writes()
-    finally:
-        writer.abandon()
+    return seal
 
 
 def _parse_receipt(r: Any, i: int) -> tuple[int, dict[str, Any]] | None:
@@ -379,15 +373,16 @@ def write_dataset_parallel(
                                   metadata)
 
         def write(p: int, part: list[Mapping[str, Any]]) -> Future[dict[str, Any]]:
-            receipt, writer = _write_uncommitted(store, p, part, p * per_part, opts)
-            # the writer thread goes on to its next partition while the fsyncs finish
-            return committer.submit(_committed, writer, receipt)
+            seal = _fill_partition(store, p, part, p * per_part, opts)
+            # the writer thread goes on to its next partition while the last shards are
+            # written and made durable
+            return sealer.submit(seal)
 
         receipts: list[dict[str, Any]] = []
         writing: deque[Future[Future[dict[str, Any]]]] = deque()
-        committing: deque[Future[dict[str, Any]]] = deque()
+        sealing: deque[Future[dict[str, Any]]] = deque()
         with ThreadPoolExecutor(workers, thread_name_prefix="dataloader-write") as pool, \
-                ThreadPoolExecutor(1, thread_name_prefix="dataloader-commit") as committer:
+                ThreadPoolExecutor(_SEALERS, thread_name_prefix="dataloader-seal") as sealer:
             try:
                 part: list[Mapping[str, Any]] = []
                 p = 0
@@ -396,9 +391,9 @@ def write_dataset_parallel(
 
                 def settle(max_writing: int) -> None:
                     while len(writing) > max_writing:
-                        committing.append(writing.popleft().result())
-                        while len(committing) > _MAX_COMMITTING:
-                            receipts.append(committing.popleft().result())
+                        sealing.append(writing.popleft().result())
+                        while len(sealing) > _MAX_SEALING:
+                            receipts.append(sealing.popleft().result())
 
                 for sample in samples_in_order:
                     part.append(sample)
@@ -409,8 +404,8 @@ def write_dataset_parallel(
                 if part or p == 0:
                     writing.append(pool.submit(write, p, part))
                 settle(0)
-                receipts.extend(f.result() for f in committing)
-                committing.clear()
+                receipts.extend(f.result() for f in sealing)
+                sealing.clear()
             except BaseException:
                 for fut in writing:
                     fut.cancel()
