@@ -11,6 +11,7 @@ they are put; nothing is read back. Objects go through `ObjectWrites`: one defer
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 from collections.abc import Iterable
 
@@ -80,7 +81,7 @@ class ArrayWriter:
         self.writes = writes
         # the current shard: raw rows at the front, room for the tail after a full shard
         self._tail = tail_nbytes(chunks_per_shard)
-        self._buffer = np.empty(self.shard_rows * self.row_nbytes + self._tail, np.uint8)
+        self._buffer = _page_aligned(self.shard_rows * self.row_nbytes + self._tail)
         self._view = self._buffer.data.cast("B")
         self._filled = 0  # bytes of rows in the current shard
         self.rows = 0  # rows appended in all
@@ -150,3 +151,9 @@ class ArrayWriter:
             compressor=self.compressor,
             shards=tuple(self.shards),
         )
+
+
+def _page_aligned(nbytes: int) -> np.ndarray:
+    """A writable uint8 buffer starting on a page boundary (an anonymous mapping, released
+    with the array): a raw shard built in it can be written with O_DIRECT."""
+    return np.frombuffer(mmap.mmap(-1, max(1, nbytes)), np.uint8)[:nbytes]

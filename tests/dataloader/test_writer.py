@@ -156,3 +156,34 @@ def test_a_write_deletes_nothing_it_did_not_write(tmp_path, workers):
     assert (target / "notes" / "readme.txt").read_text() == "mine"
     assert (target / "top.bin").read_bytes() == b"keep"
     assert [int(s["x"]) for s in dataloader.StreamingDataset(str(target))] == list(range(20))
+
+
+def test_local_shards_go_out_with_o_direct_and_the_bytes_are_the_same(tmp_path, monkeypatch):
+    """Writing to a local folder, raw shards of 1 MiB or more are written with O_DIRECT from
+    the writer's page-aligned buffers; with direct_io=False every file is the same."""
+    from ckptstore.stores import direct_io
+
+    direct: list[int] = []
+    real = direct_io.write_direct
+
+    def counting(fd: int, view: memoryview) -> str | None:
+        direct.append(len(view))
+        return real(fd, view)
+
+    monkeypatch.setattr(direct_io, "write_direct", counting)
+    samples = [{"x": np.full(1024, i, np.int32), "b": bytes([i % 256]) * (i % 700)}
+               for i in range(3000)]
+    for name, opts in (("direct", None), ("buffered", {"direct_io": False})):
+        dataloader.write_dataset(str(tmp_path / name), samples, schema={"x": "fixed"},
+                                 workers=2, partition_rows=1000, store_options=opts)
+        if name == "direct":
+            assert direct and min(direct) >= 1 << 20, direct
+            seen = len(direct)
+    assert len(direct) == seen  # nothing went direct with direct_io=False
+    files = sorted(p.relative_to(tmp_path / "direct") for p in (tmp_path / "direct").rglob("*")
+                   if p.is_file())
+    assert len(files) > 10
+    for f in files:
+        assert (tmp_path / "direct" / f).read_bytes() == (tmp_path / "buffered" / f).read_bytes()
+    ds = dataloader.StreamingDataset(str(tmp_path / "direct"))
+    assert int(ds[2999]["x"][5]) == 2999 and bytes(ds[2999]["b"]) == bytes([2999 % 256]) * 199

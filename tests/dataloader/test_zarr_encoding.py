@@ -1,8 +1,8 @@
 """The writer's own zarr encoding against zarr-python: for every array shape the writer makes,
 the objects stored (every shard and the array's zarr.json) must be byte for byte the ones zarr
 stores when it writes the same rows itself. Rows are appended in uneven pieces (whole arrays,
-and runs of small array and bytes pieces), so shards are filled across appends, and include all-zero chunks (the fill value, which zarr still stores
-with write_empty_chunks)."""
+and runs of small array and bytes pieces), so shards are filled across appends, and include
+all-zero chunks (the fill value, which zarr still stores with write_empty_chunks)."""
 
 from __future__ import annotations
 
