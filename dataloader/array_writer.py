@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 import mmap
 import threading
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -25,17 +27,49 @@ from .zarr_encoding import array_metadata, encode_shard, tail_nbytes
 
 __all__ = ["ArrayWriter", "ObjectWrites"]
 
+PUT_THREADS = 2  # a writer's background puts (device writes, S3 uploads) at a time
+SHARD_BUFFERS = 3  # an array's raw shard buffers: one filling, the others being put
+
 
 class ObjectWrites:
     """A writer's objects: keys under `prefix` in `store`, put through one deferred batch.
     Never deletes (a partition written again writes the same bytes to the same keys, and a
-    concurrent duplicate must not delete what another copy has reported). Thread-safe."""
+    concurrent duplicate must not delete what another copy has reported). Thread-safe.
+    `put_soon` writes on up to PUT_THREADS background threads (made on first use, ended by
+    `commit` and `abandon`), so shard writes overlap the next shard's filling and each other."""
 
     def __init__(self, store: Store, prefix: str = "") -> None:
         self.store, self.prefix = store, prefix.strip("/")
         self.batch = store.deferred()
         self._nbytes = 0
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._started: list[Future[None]] = []  # put_soon's puts since the last drain
+
+    def put_soon(self, key: str, data: bytes | memoryview) -> Future[None]:
+        """Start writing one object on a background thread. The caller leaves `data`
+        unchanged until the future is done; a failure is raised by the future, and again by
+        `drain`/`commit`."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="dataloader-put")
+            done = self._pool.submit(self.put, key, data)
+            self._started.append(done)
+        return done
+
+    def drain(self) -> None:
+        """Wait for every put started by `put_soon`; raise the first failure."""
+        with self._lock:
+            started, self._started = self._started, []
+        wait(started)
+        for done in started:
+            done.result()
+
+    def _stop(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Write one object (`key` relative to the prefix); its bytes are written (not yet
@@ -50,13 +84,19 @@ class ObjectWrites:
         return self._nbytes
 
     def commit(self) -> None:
-        """Make every object put so far durable and visible (DurabilityError if that fails)."""
+        """Make every object put so far durable and visible, after the puts still running
+        (their failure, or DurabilityError, is raised). Ends the background threads."""
+        try:
+            self.drain()
+        finally:
+            self._stop()
         with self._lock:
             self._nbytes = 0
         self.batch.commit()
 
     def abandon(self) -> None:
-        """Drop the objects not yet committed."""
+        """Drop the objects not yet committed (after the puts still running have ended)."""
+        self._stop()
         self.batch.abandon()
 
 
@@ -81,8 +121,8 @@ class ArrayWriter:
         self.writes = writes
         # the current shard: raw rows at the front, room for the tail after a full shard
         self._tail = tail_nbytes(chunks_per_shard)
-        self._buffer = _page_aligned(self.shard_rows * self.row_nbytes + self._tail)
-        self._view = self._buffer.data.cast("B")
+        self._writing: deque[tuple[Future[None], np.ndarray]] = deque()  # buffers being put
+        self._use(_page_aligned(self.shard_rows * self.row_nbytes + self._tail))
         self._filled = 0  # bytes of rows in the current shard
         self.rows = 0  # rows appended in all
         self.shards: list[ShardInfo] = []
@@ -114,6 +154,7 @@ class ArrayWriter:
                 at += take
                 if self._filled == cap:
                     self._write_shard()
+                    view = self._view  # a free buffer while the full one is put
             self.rows += n // row
 
     def _write_shard(self) -> None:
@@ -121,9 +162,24 @@ class ArrayWriter:
             self._buffer, self._filled, self.chunk_len * self.row_nbytes, self.chunks_per_shard,
             self.compressor,
         )
-        self.writes.put(self._shard_key(len(self.shards)), shard.data)
+        done = self.writes.put_soon(self._shard_key(len(self.shards)), shard.data)
         self.shards.append(shard.info)
         self._filled = 0
+        if self.compressor is None:  # the put reads the buffer itself: fill another meanwhile
+            self._writing.append((done, self._buffer))
+            self._use(self._free_buffer())
+
+    def _free_buffer(self) -> np.ndarray:
+        """A buffer no put is reading: one whose put ended, a new one while fewer than
+        SHARD_BUFFERS exist, else the oldest once its put ends (its failure is raised)."""
+        if len(self._writing) < SHARD_BUFFERS - 1 and not self._writing[0][0].done():
+            return _page_aligned(len(self._view))
+        done, buffer = self._writing.popleft()
+        done.result()
+        return buffer
+
+    def _use(self, buffer: np.ndarray) -> None:
+        self._buffer, self._view = buffer, buffer.data.cast("B")
 
     def _shard_key(self, shard: int) -> str:
         """The shard object's zarr key (default chunk key encoding, '/' separator)."""

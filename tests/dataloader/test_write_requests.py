@@ -125,3 +125,38 @@ def test_first_window_needs_no_shard_index_requests(tmp_path: Path, workers: int
     old, tails = read_all()
     assert tails and sorted(old) == sorted(new) == sorted(s["blob"] for s in samples)
     assert old == new
+
+
+class FailingStore(LocalStore):
+    """A real local store whose deferred puts fail from the `fail_at`-th shard on."""
+
+    def __init__(self, root: Path, fail_at: int) -> None:
+        super().__init__(root)
+        self.fail_at, self.shard_puts = fail_at, 0
+
+    def deferred(self) -> DeferredPuts:
+        batch = super().deferred()
+        real = batch.put
+
+        def failing(key: str, data: Buffer) -> None:
+            if "/c/" in key:
+                self.shard_puts += 1
+                if self.shard_puts >= self.fail_at:
+                    raise OSError(28, "No space left on device (injected)")
+            real(key, data)
+
+        batch.put = failing  # type: ignore[method-assign]
+        return batch
+
+
+@pytest.mark.parametrize("workers", [None, 1, 2])
+def test_a_shard_put_failing_in_the_background_fails_the_write(tmp_path: Path, workers):
+    """Shards are put on background threads: a failed put still fails the write with its
+    own error, nothing is committed, and no thread is left hanging."""
+    store = FailingStore(tmp_path / "ds", fail_at=5)
+    with pytest.raises(OSError, match="injected"):
+        dataloader.write_dataset(store, _samples(3000), schema={"x": "fixed"},
+                                 rows_per_chunk=64, shard_bytes=4 << 10, workers=workers,
+                                 partition_rows=512)
+    assert not store.exists(INDEX_KEY)
+    assert store.shard_puts >= 5
