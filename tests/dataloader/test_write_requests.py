@@ -1,6 +1,6 @@
-"""The writer's requests: each object is put once (zarr rewrites an array's zarr.json on every
-resize; the writer holds metadata and writes its final form once), and the result is what
-zarr itself reads back."""
+"""The writer's requests: each object is put once (each shard when full, each zarr.json in its
+final form), and the result is what zarr itself reads back; a put failing on a background
+thread fails the write."""
 
 from __future__ import annotations
 
