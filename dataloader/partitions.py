@@ -71,7 +71,7 @@ RECEIPT_FORMAT = FORMAT_NAME + ".partition"
 RECEIPT_VERSION = 1
 MAX_PARTITION = 10**12 - 1  # parts/ + up to 12 digits
 _PARTITION_BLOCKS = 16  # default partition: each costs ~15 fsyncs and ~5 objects however small
-_MAX_SEALING = 4  # filled partitions being sealed (each holds its last shards' buffers)
+_MAX_SEALING = 2  # filled partitions being sealed (each holds its last shards' buffers)
 _SEALERS = 2  # threads writing partitions' last shards and waiting for their fsyncs
 _WRITER_OPTIONS = (
     "schema", "rows_per_chunk", "chunk_bytes", "shard_bytes", "data_chunk_bytes", "compression",
@@ -335,7 +335,7 @@ def write_dataset_parallel(
     16 blocks, about 64 MiB) are written concurrently and committed in order. The result
     depends only on the samples and options, never on `workers` or `executor` (same bytes,
     same fingerprint). Memory: at most workers + 2 partitions of samples, and the last shards
-    of at most 5 partitions being sealed, are held at a time.
+    of at most 3 partitions being sealed, are held at a time.
 
     `executor="processes"`: forked worker processes (POSIX only) each write every
     `workers`-th partition of `samples`, which must then be a sequence already in memory
