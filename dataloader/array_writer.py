@@ -65,11 +65,13 @@ class ObjectWrites:
         for done in started:
             done.result()
 
-    def _stop(self) -> None:
+    def _stop(self, cancel: bool = False) -> None:
+        """End the background threads after the puts running (and, unless `cancel`, the
+        queued ones)."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=True, cancel_futures=cancel)
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Write one object (`key` relative to the prefix); its bytes are written (not yet
@@ -95,8 +97,9 @@ class ObjectWrites:
         self.batch.commit()
 
     def abandon(self) -> None:
-        """Drop the objects not yet committed (after the puts still running have ended)."""
-        self._stop()
+        """Drop the objects not yet committed (after the puts still running have ended;
+        queued ones are cancelled)."""
+        self._stop(cancel=True)
         self.batch.abandon()
 
 
