@@ -160,7 +160,9 @@ class ArrayWriter:
                     view = self._view  # a free buffer while the full one is put
             self.rows += n // row
 
-    def _write_shard(self) -> None:
+    def _write_shard(self, last: bool = False) -> None:
+        """Encode and start putting the current shard; unless it is the `last`, go on in a
+        free buffer."""
         shard = encode_shard(
             self._buffer, self._filled, self.chunk_len * self.row_nbytes, self.chunks_per_shard,
             self.compressor,
@@ -170,7 +172,8 @@ class ArrayWriter:
         self._filled = 0
         if self.compressor is None:  # the put reads the buffer itself: fill another meanwhile
             self._writing.append((done, self._buffer))
-            self._use(self._free_buffer())
+            if not last:
+                self._use(self._free_buffer())
 
     def _free_buffer(self) -> np.ndarray:
         """A buffer no put is reading: one whose put ended, a new one while fewer than
@@ -192,7 +195,7 @@ class ArrayWriter:
         """Write the last (partial) shard and the array's zarr.json; return the array's entry
         in the dataset index."""
         if self._filled:
-            self._write_shard()
+            self._write_shard(last=True)
         self.writes.put(f"{self.path}/zarr.json", array_metadata(
             self.dtype, (self.rows, *self.inner), self.chunk_len, self.chunks_per_shard,
             self.compressor,
