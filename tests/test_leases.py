@@ -181,3 +181,122 @@ def test_a_lease_of_a_killed_process_on_this_machine_is_stale_at_once() -> None:
     alive.write()
     assert [x.key for x in list_leases(store)] == [alive.key]
     alive.release()
+
+
+# ------------------------------------------------------------------ a killed holder's last request
+def _dead_lease_body(kind: str) -> bytes:
+    """A lease document written by a process that has exited (a SIGKILLed holder, in effect)."""
+    import subprocess
+    import sys
+
+    code = ("from ckptstore.maintenance.leases import Lease; "
+            "from ckptstore.stores import MemoryStore; "
+            f"print(Lease(MemoryStore('x'), {kind!r})._body.decode())")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip().encode()
+
+
+class _RemoteLikeMemoryStore(MemoryStore):
+    """A memory store that says its requests can outlive their sender, as S3 does."""
+
+    @property
+    def in_flight_settle(self) -> float:
+        return 5.0
+
+
+@pytest.fixture(params=["memory", "moto"])
+def remote_store(request: pytest.FixtureRequest):
+    if request.param == "memory":
+        yield _RemoteLikeMemoryStore(uuid.uuid4().hex)
+        return
+    from ckptstore.stores import open_store
+
+    from .conftest import _ENDPOINTS
+
+    uri = request.getfixturevalue("s3_uri")
+    store = open_store(uri, endpoint_url=_ENDPOINTS[uri], in_flight_settle=5.0)
+    yield store
+    store.close()
+
+
+def test_gc_lets_the_commit_of_a_killed_save_land_before_it_lists(
+        remote_store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save killed right after sending its commit: the commit lands on the server a moment
+    after the process is gone. A gc --grace 0 that trusted the dead holder at once would list
+    the manifests first, delete the new checkpoint's blobs and leave it listed but broken."""
+    from ckptstore.layout import manifest_key
+    from ckptstore.maintenance import leases as leases_module
+    from ckptstore.maintenance.checks import TEMP_MIN_AGE
+
+    repo = CheckpointStore(remote_store)
+    old = np.arange(50_000, dtype=np.float32)
+    new = np.arange(50_000, dtype=np.float32) * -3.0
+    repo.save("old", {"w": old})
+    repo.save("new", {"w": new})
+    key = manifest_key("new")
+    commit = remote_store.get(key)
+    remote_store.delete(key)  # the commit is still on its way when the writer dies
+    remote_store.put("locks/save-" + "1" * 32 + ".json", _dead_lease_body("save"))
+
+    waited: list[float] = []
+
+    def sleep_while_the_commit_lands(seconds: float) -> None:
+        if not waited:
+            remote_store.create(key, commit)
+        waited.append(seconds)
+
+    monkeypatch.setattr(leases_module.time, "sleep", sleep_while_the_commit_lands)
+    repo.gc(grace_seconds=0, now=time.time() + 2 * TEMP_MIN_AGE)
+    monkeypatch.undo()
+    assert waited and 4.0 < waited[0] <= 5.0  # the store's settle time, once
+    assert {info.name for info in repo.list()} == {"old", "new"}
+    assert repo.verify("new").ok
+    assert np.array_equal(repo.load("new")["w"], new)
+    assert list_leases(remote_store, include_stale=True) == []  # the dead lease was removed
+    repo.gc(grace_seconds=0, now=time.time() + 2 * TEMP_MIN_AGE)  # and is not waited for again
+
+
+def test_a_local_store_does_not_wait_for_a_killed_holder(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path) -> None:
+    from ckptstore.maintenance import leases as leases_module
+    from ckptstore.stores import open_store
+
+    store = open_store(str(tmp_path / "s"), create=True)
+    assert store.in_flight_settle == 0.0  # a local write is done when its call returns
+    store.put("locks/save-" + "2" * 32 + ".json", _dead_lease_body("save"))
+    monkeypatch.setattr(leases_module.time, "sleep",
+                        lambda s: pytest.fail(f"slept {s}s for a local store"))
+    with gc_lease(store, wait=0):
+        pass
+
+
+def test_a_sweep_that_must_not_block_is_busy_until_the_settle_time_has_passed() -> None:
+    store = _SettleStore(uuid.uuid4().hex)
+    dead = "locks/save-" + "3" * 32 + ".json"
+    store.put(dead, _dead_lease_body("save"))
+    t0 = time.monotonic()
+    with pytest.raises(LeaseBusyError, match="was killed"):
+        acquire_gc(store, wait=0, settle_block=False)
+    assert time.monotonic() - t0 < store.in_flight_settle  # it did not sleep
+    assert store.exists(dead)
+    time.sleep(store.in_flight_settle + 0.05)  # counted from when this process first saw it
+    with gc_lease(store, wait=0, settle_block=False):
+        pass
+    assert not store.exists(dead)
+
+
+def test_a_save_waits_out_a_killed_gc_before_it_starts() -> None:
+    """A gc killed mid-sweep may have deletes on their way: a save that reuses blobs must not
+    start checking them until those have landed."""
+    store = _SettleStore(uuid.uuid4().hex)
+    store.put("locks/gc-" + "4" * 32 + ".json", _dead_lease_body("gc"))
+    t0 = time.monotonic()
+    with save_lease(store, wait=0):
+        assert time.monotonic() - t0 >= store.in_flight_settle
+    assert list_leases(store, include_stale=True) == []
+
+
+class _SettleStore(MemoryStore):
+    @property
+    def in_flight_settle(self) -> float:
+        return 0.3

@@ -18,6 +18,11 @@ a blob that gc has already chosen to delete. Leases close that gap (restic's loc
   lists the leases; while a live gc lease exists it waits, keeping its own lease.
 * gc writes its lease, then lists; if a live save lease exists it removes its own lease and
   retries every `poll` seconds until `wait` runs out, then raises LeaseBusyError.
+* A request can outlive the process that sent it: on S3 a commit or a delete already on the
+  wire when the holder was killed lands a moment later. So a party that finds a lease of the
+  other kind whose holder just died (known dead, not yet aged out) waits the store's
+  `in_flight_settle` (0 for local folders, 15 s on S3) once, removes that lease and looks
+  again; only then does it trust what it lists.
 * Each party writes its own lease before it lists the other's, and listings are
   read-after-write consistent (POSIX folders, S3 since 2020, MinIO), so of two racing parties
   at least one sees the other: gc never deletes while a lease-holding save is between its
@@ -37,6 +42,7 @@ consider it stale.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -84,8 +90,11 @@ def _pid_namespace() -> str:
         return ""
 
 
+log = logging.getLogger("ckptstore")
 _PIDNS = _pid_namespace()
 _HOST = socket.gethostname()
+#: (store URI, lease key) -> time.monotonic() when this process first saw its holder dead
+_DEAD_SEEN: dict[tuple[str, str], float] = {}
 
 
 def _alive(pid: int) -> bool:
@@ -221,11 +230,49 @@ class Lease:
     def others(self) -> list[LeaseInfo]:
         """The live leases of others, judged on the store's clock (this lease's own mtime in
         the same listing)."""
+        return self._others(include_stale=False)
+
+    def _others(self, include_stale: bool) -> list[LeaseInfo]:
         listing = list(self.store.list(LOCK_PREFIX))
         own = [info.mtime for info in listing if info.key == self.key]
         now = own[0] if own else self.store_clock()
-        return [lease for lease in _judge(self.store, listing, now, self.stale_after, False)
+        return [lease for lease in _judge(self.store, listing, now, self.stale_after,
+                                          include_stale)
                 if lease.key != self.key]
+
+    def settle_after_dead(self, kind: str, *, block: bool = True) -> bool:
+        """If a `kind` lease's holder died recently (known dead, not aged out), let the
+        requests it had already sent land: once the store's `in_flight_settle` has passed
+        since this process first saw it dead (sleeping for the rest if `block`, else raising
+        LeaseBusyError), remove those leases and return True: the caller must list again.
+        False when there is nothing to wait for (always on stores with settle 0)."""
+        settle = self.store.in_flight_settle
+        if settle <= 0:
+            return False
+        dead = [lease for lease in self._others(include_stale=True)
+                if lease.kind == kind and lease.dead
+                and lease.age <= self.stale_after + SKEW_MARGIN]
+        if not dead:
+            return False
+        now = time.monotonic()
+        first_seen = min(_DEAD_SEEN.setdefault((self.store.uri, lease.key), now)
+                         for lease in dead)
+        remaining = first_seen + settle - now
+        if remaining > 0:
+            if not block:
+                raise LeaseBusyError(
+                    f"a {kind} in {self.store.uri} was killed {describe(dead)}; requests it "
+                    f"sent may still land for {remaining:.0f}s more")
+            log.info("%s: waiting %.0fs for the last requests of a killed %s (%s) to land",
+                     self.store.uri, remaining, kind, describe(dead))
+            time.sleep(remaining)
+        for lease in dead:
+            try:
+                self.store.delete(lease.key)
+            except ObjectNotFoundError:
+                pass
+            _DEAD_SEEN.pop((self.store.uri, lease.key), None)
+        return True
 
     # -------------------------------------------------------------- the sweep marker
     def announce_sweep(self) -> None:
@@ -284,6 +331,8 @@ def acquire_save(store: Store, *, wait: float | None = None, poll: float = 0.5,
     try:
         while True:
             gcs = [o for o in lease.others() if o.kind == "gc"]
+            if not gcs and lease.settle_after_dead("gc"):  # its last deletes may land late
+                continue
             if not gcs:
                 lease.remember_sweep()
                 return lease
@@ -296,15 +345,18 @@ def acquire_save(store: Store, *, wait: float | None = None, poll: float = 0.5,
 
 
 def acquire_gc(store: Store, *, wait: float = 0.0, poll: float = 1.0,
-               stale_after: float = STALE_AFTER) -> Lease:
+               stale_after: float = STALE_AFTER, settle_block: bool = True) -> Lease:
     """Take a gc lease once no live save lease exists, retrying for at most `wait` seconds.
-    Raises LeaseBusyError naming the saves in progress."""
+    Raises LeaseBusyError naming the saves in progress. A save killed moments ago is waited
+    for (`Lease.settle_after_dead`); with `settle_block=False` that is LeaseBusyError too."""
     deadline = time.monotonic() + wait
     while True:
         lease = Lease(store, "gc", stale_after=stale_after)
         lease.write()
         try:
             saves = [o for o in lease.others() if o.kind == "save"]
+            if not saves and lease.settle_after_dead("save", block=settle_block):  # a late commit
+                saves = [o for o in lease.others() if o.kind == "save"]
         except BaseException:
             lease.release()
             raise
@@ -334,8 +386,10 @@ def save_lease(store: Store, **kwargs: float | None) -> Iterator[Lease]:
 
 
 @contextmanager
-def gc_lease(store: Store, **kwargs: float) -> Iterator[Lease]:
-    lease = acquire_gc(store, **kwargs)
+def gc_lease(store: Store, *, wait: float = 0.0, poll: float = 1.0,
+             settle_block: bool = True) -> Iterator[Lease]:
+    """`acquire_gc` for a `with` block; released (sweep marked done) when it ends."""
+    lease = acquire_gc(store, wait=wait, poll=poll, settle_block=settle_block)
     try:
         yield lease
     finally:

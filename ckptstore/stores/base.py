@@ -93,6 +93,14 @@ class Store(abc.ABC):
     def uri(self, value: str) -> None:
         self._uri = redact_uri(value)
 
+    @property
+    def in_flight_settle(self) -> float:
+        """Seconds a request may still take effect after the process that sent it was killed
+        (its bytes already on the wire or queued in the server). 0 where a request is done
+        when its call returns (local folders, memory). Lease holders that find a lease of a
+        just-killed process wait this long before trusting a listing (maintenance/leases.py)."""
+        return 0.0
+
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
         """Return the whole object."""

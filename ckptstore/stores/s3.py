@@ -317,6 +317,7 @@ class S3Store(Store):
         request_checksum_calculation: str | None = None,
         response_checksum_validation: str | None = None,
         addressing_style: str | None = None,
+        in_flight_settle: float = 15.0,
         create: bool = False,
     ) -> None:
         self.bucket = validate_bucket(bucket)
@@ -335,6 +336,9 @@ class S3Store(Store):
         if multipart_threshold < 1 or multipart_concurrency < 1 or read_retries < 0:
             raise ValueError("multipart_threshold and multipart_concurrency must be >= 1, "
                              "read_retries >= 0")
+        if not in_flight_settle >= 0:  # also refuses NaN
+            raise ValueError(f"in_flight_settle must be >= 0 seconds, got {in_flight_settle}")
+        self._in_flight_settle = float(in_flight_settle)
         self.multipart_threshold = multipart_threshold
         self.multipart_chunksize = multipart_chunksize
         self.multipart_concurrency = multipart_concurrency
@@ -368,6 +372,13 @@ class S3Store(Store):
         except BaseException:
             self._client.close()
             raise
+
+    @property
+    def in_flight_settle(self) -> float:
+        """A killed client's request can still land: the kernel sends what was queued on its
+        socket and the server completes a request it has whole. 15 s by default covers a
+        small PUT on a loaded server (see Store.in_flight_settle)."""
+        return self._in_flight_settle
 
     @classmethod
     def from_uri(cls, uri: str, **options: Any) -> S3Store:

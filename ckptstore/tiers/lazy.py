@@ -77,6 +77,10 @@ class LazyTier(Store):
         self._error = exc
         self._next_try = time.monotonic() + self._retry_after
 
+    @property
+    def in_flight_settle(self) -> float:
+        return self._real().in_flight_settle
+
     def get(self, key: str) -> bytes:
         return self._real().get(key)
 

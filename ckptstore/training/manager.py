@@ -292,12 +292,13 @@ class CheckpointManager:
     def _sweep(self, i: int) -> None:
         """Delete the blobs of tier i's dropped checkpoints that no checkpoint there still
         references. The sweep deletes at once (no grace period), so it must not run while
-        another party saves or replicates into that tier: it is skipped then and tried again
-        at the next retention (a `ckpt gc` also collects them). Runs after this save's own
+        another party saves or replicates into that tier, nor block the save while a killed
+        party's last requests may still land: it is skipped then and tried again at the next
+        retention (a `ckpt gc` also collects them). Runs after this save's own
         lease is released: see CheckpointStore._write."""
         tier = self.repo.tiers[i]
         try:
-            with leases.gc_lease(tier.store, wait=0):
+            with leases.gc_lease(tier.store, wait=0, settle_block=False):
                 still_used = tier.referenced_blobs()
                 for blob in self._doomed[i] - still_used:
                     tier.store.delete(blob_key(blob))
