@@ -280,9 +280,15 @@ def test_a_sweep_that_must_not_block_is_busy_until_the_settle_time_has_passed() 
     assert time.monotonic() - t0 < store.in_flight_settle  # it did not sleep
     assert store.exists(dead)
     time.sleep(store.in_flight_settle + 0.05)  # counted from when this process first saw it
+    later = "locks/save-" + "5" * 32 + ".json"
+    store.put(later, _dead_lease_body("save"))  # another one dies now: it gets its full time
+    with pytest.raises(LeaseBusyError, match="was killed"):
+        acquire_gc(store, wait=0, settle_block=False)
+    assert store.exists(dead) and store.exists(later)
+    time.sleep(store.in_flight_settle + 0.05)
     with gc_lease(store, wait=0, settle_block=False):
         pass
-    assert not store.exists(dead)
+    assert not store.exists(dead) and not store.exists(later)
 
 
 def test_a_save_waits_out_a_killed_gc_before_it_starts() -> None:

@@ -255,9 +255,9 @@ class Lease:
         if not dead:
             return False
         now = time.monotonic()
-        first_seen = min(_DEAD_SEEN.setdefault((self.store.uri, lease.key), now)
-                         for lease in dead)
-        remaining = first_seen + settle - now
+        newest = max(_DEAD_SEEN.setdefault((self.store.uri, lease.key), now)
+                     for lease in dead)  # the one seen last gets its full settle time too
+        remaining = newest + settle - now
         if remaining > 0:
             if not block:
                 raise LeaseBusyError(
