@@ -50,7 +50,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import CkptStoreError, ObjectNotFoundError, StoreError
 from ..layout import LEASE_KINDS, LOCK_PREFIX, SWEEP_KEY, clock_probe_key, lease_key, lease_kind
@@ -77,6 +77,13 @@ class LeaseInfo:
     age: float  # seconds since its object was last written
     holder: str  # "host:pid" when readable, else "?"
     dead: bool = False  # its process is known to be gone (same machine and PID namespace)
+
+    def aged_out(self, stale_after: float) -> bool:
+        """Not re-written for longer than any live holder could stay silent."""
+        return self.age > stale_after + SKEW_MARGIN
+
+    def live(self, stale_after: float) -> bool:
+        return not self.dead and not self.aged_out(stale_after)
 
 
 def _pid_namespace() -> str:
@@ -141,13 +148,15 @@ def _judge(store: Store, listing: list[ObjectInfo], now: float, stale_after: flo
         kind = lease_kind(info.key)
         if kind is None:
             continue
-        age = now - info.mtime
-        if age > stale_after + SKEW_MARGIN and not include_stale:
+        lease = LeaseInfo(info.key, kind, now - info.mtime, "?")
+        if lease.aged_out(stale_after):  # stale whoever holds it: not worth a read
+            if include_stale:
+                out.append(lease)
             continue
         holder, dead = _holder(store, info)
-        if dead and not include_stale:
-            continue
-        out.append(LeaseInfo(info.key, kind, age, holder, dead))
+        lease = replace(lease, holder=holder, dead=dead)
+        if include_stale or not dead:
+            out.append(lease)
     return sorted(out, key=lambda lease: -lease.age)
 
 
@@ -227,12 +236,9 @@ class Lease:
             raise StoreError(f"{self.kind} lease in {self.store.uri} could not be refreshed for "
                              f"{age:.0f}s; stopping before an unsafe step")
 
-    def others(self) -> list[LeaseInfo]:
-        """The live leases of others, judged on the store's clock (this lease's own mtime in
-        the same listing)."""
-        return self._others(include_stale=False)
-
-    def _others(self, include_stale: bool) -> list[LeaseInfo]:
+    def others(self, include_stale: bool = False) -> list[LeaseInfo]:
+        """The leases of others (live ones only unless `include_stale`), judged on the
+        store's clock (this lease's own mtime in the same listing)."""
         listing = list(self.store.list(LOCK_PREFIX))
         own = [info.mtime for info in listing if info.key == self.key]
         now = own[0] if own else self.store_clock()
@@ -240,18 +246,19 @@ class Lease:
                                           include_stale)
                 if lease.key != self.key]
 
-    def settle_after_dead(self, kind: str, *, block: bool = True) -> bool:
-        """If a `kind` lease's holder died recently (known dead, not aged out), let the
-        requests it had already sent land: once the store's `in_flight_settle` has passed
-        since this process first saw it dead (sleeping for the rest if `block`, else raising
-        LeaseBusyError), remove those leases and return True: the caller must list again.
-        False when there is nothing to wait for (always on stores with settle 0)."""
+    def settle_after_dead(self, kind: str, seen: list[LeaseInfo], *,
+                          block: bool = True) -> bool:
+        """If a `kind` lease in `seen` (`others(include_stale=True)`) belongs to a holder
+        that died recently (known dead, not aged out), let the requests it had already sent
+        land: once the store's `in_flight_settle` has passed since this process first saw it
+        dead (sleeping for the rest if `block`, else raising LeaseBusyError), remove those
+        leases and return True: the caller must list again. False when there is nothing to
+        wait for (always on stores with settle 0)."""
         settle = self.store.in_flight_settle
         if settle <= 0:
             return False
-        dead = [lease for lease in self._others(include_stale=True)
-                if lease.kind == kind and lease.dead
-                and lease.age <= self.stale_after + SKEW_MARGIN]
+        dead = [lease for lease in seen
+                if lease.kind == kind and lease.dead and not lease.aged_out(self.stale_after)]
         if not dead:
             return False
         now = time.monotonic()
@@ -330,8 +337,9 @@ def acquire_save(store: Store, *, wait: float | None = None, poll: float = 0.5,
     deadline = None if wait is None else time.monotonic() + wait
     try:
         while True:
-            gcs = [o for o in lease.others() if o.kind == "gc"]
-            if not gcs and lease.settle_after_dead("gc"):  # its last deletes may land late
+            seen = lease.others(include_stale=True)
+            gcs = [o for o in seen if o.kind == "gc" and o.live(lease.stale_after)]
+            if not gcs and lease.settle_after_dead("gc", seen):  # its last deletes may be late
                 continue
             if not gcs:
                 lease.remember_sweep()
@@ -354,9 +362,10 @@ def acquire_gc(store: Store, *, wait: float = 0.0, poll: float = 1.0,
         lease = Lease(store, "gc", stale_after=stale_after)
         lease.write()
         try:
-            saves = [o for o in lease.others() if o.kind == "save"]
-            if not saves and lease.settle_after_dead("save", block=settle_block):  # a late commit
-                saves = [o for o in lease.others() if o.kind == "save"]
+            seen = lease.others(include_stale=True)
+            saves = [o for o in seen if o.kind == "save" and o.live(stale_after)]
+            if not saves and lease.settle_after_dead("save", seen, block=settle_block):
+                saves = [o for o in lease.others() if o.kind == "save"]  # a late commit landed
         except BaseException:
             lease.release()
             raise
@@ -400,7 +409,7 @@ def remove_stale(store: Store, stale_after: float = STALE_AFTER) -> int:
     """Delete stale lease objects (left by dead processes)."""
     n = 0
     for lease in list_leases(store, stale_after, include_stale=True):
-        if lease.age > stale_after + SKEW_MARGIN or lease.dead:
+        if not lease.live(stale_after):
             try:
                 store.delete(lease.key)
                 n += 1
