@@ -330,7 +330,8 @@ def _read_sweep(store: Store) -> bytes | None:
 def acquire_save(store: Store, *, wait: float | None = None, poll: float = 0.5,
                  stale_after: float = STALE_AFTER) -> Lease:
     """Take a save lease; wait while a live gc lease exists (at most `wait` seconds; None:
-    as long as the gc keeps its lease alive). Raises LeaseBusyError when the wait runs out."""
+    as long as the gc keeps its lease alive). Raises LeaseBusyError when the wait runs out.
+    A gc killed moments ago is waited out as well (`Lease.settle_after_dead`)."""
     lease = Lease(store, "save", stale_after=stale_after)
     lease.write()
     lease.start_heartbeat()
@@ -365,7 +366,7 @@ def acquire_gc(store: Store, *, wait: float = 0.0, poll: float = 1.0,
             seen = lease.others(include_stale=True)
             saves = [o for o in seen if o.kind == "save" and o.live(stale_after)]
             if not saves and lease.settle_after_dead("save", seen, block=settle_block):
-                saves = [o for o in lease.others() if o.kind == "save"]  # a late commit landed
+                saves = [o for o in lease.others() if o.kind == "save"]  # new while it waited
         except BaseException:
             lease.release()
             raise
