@@ -18,9 +18,11 @@ samples/s over the epoch (first batch included), time to first batch, time to th
 batch after resuming from a state taken at 50% of the epoch (new dataset + loader objects),
 and the peak memory of the reader's process tree (sum of PSS, sampled every 50 ms). Local
 reads come from the page cache; moto serves S3 from the same 2 cores, so S3 numbers are
-ratios, not absolutes. Shuffle quality (bench/dataloader/shuffle_stats.py) is measured on a
-small id dataset for every contestant's shuffle. With --seaweed, ours' time to first batch is
-also measured against a SeaweedFS server (fresh process each time, 3 runs).
+ratios, not absolutes. Before a local epoch every file of the dataset it reads is read once,
+for every contestant alike: ours writes shards with O_DIRECT, which leaves no page cache
+behind, and the peers' buffered writes do. Shuffle quality (bench/dataloader/shuffle_stats.py)
+is measured on a small id dataset for every contestant's shuffle. With --seaweed, ours' time
+to first batch is also measured against a SeaweedFS server (fresh process each time, 3 runs).
 
 mosaicml-streaming imports torchvision at import time; where the installed torchvision does
 not load beside this torch, its runner stands in an empty torchvision module (its vision
@@ -173,6 +175,17 @@ def fmt_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def warm_page_cache(root: Path) -> int:
+    """Read every file under `root` once, 16 MiB at a time; returns the bytes read."""
+    total = 0
+    buf = bytearray(16 << 20)
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the full data sizes")
@@ -295,6 +308,10 @@ def main() -> int:
                                      "mb_per_s": nbytes / secs / 1e6, "samples_per_s": n / secs})
                         print(f"    convert {name}: {secs:.1f} s, {nbytes / secs / 1e6:,.0f} MB/s",
                               flush=True)
+                    if storage == "local":
+                        read_dir = (f"{uri}-w{write_workers[-1]}" if c == "ours" and write_workers
+                                    else uri)
+                        warm_page_cache(Path(read_dir))
                     r = run_runner(pythons[c], c, "read", cfg, args.timeout)
                     if "error" in r:
                         rows.append({**row, "error": "read: " + r["error"]})
