@@ -87,8 +87,8 @@ def running_seaweedfs(root: Path) -> Iterator[str]:
         "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
     s3, s3_grpc, master, master_grpc, volume, volume_grpc, filer, filer_grpc = free_ports(8)
     # -volume.max: the default (0) sizes the volume count by free disk / volume size, about 330
-    # on a 20 GB-free disk, and every bucket takes volumes: the suite's 50th bucket got HTTP
-    # 500 InternalError. Volumes are not preallocated, so a high cap costs no disk.
+    # on a 20 GB-free disk, and every bucket takes volumes: near its 50th bucket the suite got
+    # HTTP 500 InternalError. Volumes are not preallocated, so a high cap costs no disk.
     args = [
         binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         "-master.telemetry=false", "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
