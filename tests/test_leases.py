@@ -204,6 +204,14 @@ class _RemoteLikeMemoryStore(MemoryStore):
         return 5.0
 
 
+class _SettleStore(MemoryStore):
+    """Requests outlive their sender for 0.3 s: short enough to wait for in a test."""
+
+    @property
+    def in_flight_settle(self) -> float:
+        return 0.3
+
+
 @pytest.fixture(params=["memory", "moto"])
 def remote_store(request: pytest.FixtureRequest):
     if request.param == "memory":
@@ -300,9 +308,3 @@ def test_a_save_waits_out_a_killed_gc_before_it_starts() -> None:
     with save_lease(store, wait=0):
         assert time.monotonic() - t0 >= store.in_flight_settle
     assert list_leases(store, include_stale=True) == []
-
-
-class _SettleStore(MemoryStore):
-    @property
-    def in_flight_settle(self) -> float:
-        return 0.3
