@@ -77,6 +77,8 @@ BAD_URIS = [
     "file://user:SECRETPW@host/x?sig=SIGSECRET",
     "file://{tmp}/x?X-Amz-Signature=SIGSECRET",  # a local path given as a URL
     "AKIASECRET:SECRETPW@bucket://x",
+    "s3://bucket/AKIASECRET:SECRETPW@host/x",  # user info in the path: an invalid prefix
+    "s3://bucket/run/AKIASECRET:SECRETPW@host",
 ]
 
 
@@ -95,6 +97,13 @@ def test_bad_uris_are_refused_without_echoing_secrets(uri: str, entry: str, tmp_
             ckptstore.CheckpointStore(uri, create=entry == "CheckpointStore", **opts)
     _assert_clean(*_texts(info.value))
     assert list(tmp_path.iterdir()) == []  # no folder made, named after the query or not
+
+
+def test_a_tier_listed_twice_is_named_redacted(tmp_path: Path) -> None:
+    uri = "memory://AKIASECRET:SECRETPW@host/x"
+    with pytest.raises(InvalidNameError, match="listed twice") as info:
+        ckptstore.CheckpointStore([str(tmp_path / "near"), uri, uri])
+    _assert_clean(*_texts(info.value))
 
 
 def test_local_store_refuses_a_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

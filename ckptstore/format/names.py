@@ -31,14 +31,19 @@ def validate_name(name: object, *, allow_reserved: bool = False) -> str:
     return name
 
 
+def is_valid_key(key: object) -> bool:
+    """True if `key` is a safe relative store key ('a/b/c' of [A-Za-z0-9._-] parts, no '.' or
+    '..' parts, no leading slash)."""
+    return isinstance(key, str) and bool(key) and all(
+        part not in ("", ".", "..") and _KEY_PART_RE.fullmatch(part) is not None
+        for part in key.split("/"))
+
+
 def validate_key(key: str) -> str:
-    """Return `key` if it is a safe relative store key ('a/b/c' of [A-Za-z0-9._-] parts, no
-    '.' or '..' parts, no leading slash), else raise InvalidNameError."""
-    if not isinstance(key, str) or not key:
+    """Return `key` if it is a safe relative store key (`is_valid_key`), else raise
+    InvalidNameError."""
+    if not is_valid_key(key):
         raise InvalidNameError(f"invalid store key {key!r}")
-    for part in key.split("/"):
-        if part in ("", ".", "..") or _KEY_PART_RE.fullmatch(part) is None:
-            raise InvalidNameError(f"invalid store key {key!r}")
     return key
 
 

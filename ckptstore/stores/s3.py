@@ -77,7 +77,7 @@ from ..errors import (
     StoreError,
 )
 from ..format.hashing import new_hasher
-from ..format.names import validate_key, validate_prefix
+from ..format.names import is_valid_key, validate_key, validate_prefix
 from ..redact import redact_text, redact_uri
 from .base import Buffer, ObjectInfo, Store, check_range, short_read
 
@@ -322,7 +322,11 @@ class S3Store(Store):
     ) -> None:
         self.bucket = validate_bucket(bucket)
         prefix = prefix.strip("/")
-        self.prefix = validate_key(prefix) if prefix else ""
+        if prefix and not is_valid_key(prefix):  # never echo the prefix: it may hold a secret
+            raise InvalidNameError(
+                f"invalid S3 prefix in {redact_uri(f's3://{bucket}/{prefix}')!r}: use "
+                "'/'-separated parts of [A-Za-z0-9._-] (no '.' or '..' parts)")
+        self.prefix = prefix
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         if endpoint_url is not None:
             check_endpoint(endpoint_url)

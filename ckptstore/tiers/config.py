@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import InvalidNameError
+from ..redact import redact_uri
 from ..stores.base import Store
 
 TierURI = str | os.PathLike[str] | Store
@@ -39,7 +40,7 @@ def tier_uris(uri: TierURI | Sequence[TierURI]) -> list[TierURI]:
                                    f"{type(t).__name__}")
         key = t.uri if isinstance(t, Store) else os.fspath(t)
         if key in seen:
-            raise InvalidNameError(f"tier {key!r} is listed twice")
+            raise InvalidNameError(f"tier {redact_uri(key)!r} is listed twice")
         seen.add(key)
     return tiers
 
