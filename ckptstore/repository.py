@@ -26,10 +26,10 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from .collector import paused_collector, quiet_collector
 from .concurrency import Turns
@@ -74,10 +74,11 @@ from .pipeline.writer import (
     SaveOptions,
     background_turns,
 )
+from .redact import redact_uri
 from .stores import Store, open_store
 from .tiers import config as tier_config
 from .tiers import pending
-from .tiers.lazy import LazyTier
+from .tiers.far import FarTier, TierUnreachableError
 from .tiers.replication import Replicator, RetryPolicy, fetch_verified
 
 REPO_FORMAT = "ckptstore"
@@ -95,6 +96,7 @@ class _Default(enum.Enum):
 REPO_DEFAULT = _Default.REPOSITORY
 Compression = str | Codec | None | _Default
 
+T = TypeVar("T")
 #: A save's manifest is created at least this long after the newest checkpoint it saw.
 COMMIT_ORDER_STEP = 1e-3
 log = logging.getLogger("ckptstore")
@@ -290,8 +292,8 @@ class CheckpointStore:
         self.load_options = LoadOptions(
             workers=load_defaults.workers if workers is None else workers,
             max_inflight_bytes=max_inflight_bytes or load_defaults.max_inflight_bytes)
-        if isinstance(self.store, LazyTier) and not self.store.reachable and hash:
-            algorithm = hash_algorithm(hash)  # the marker is checked when it is reached
+        if isinstance(self.store, FarTier) and hash:
+            algorithm = hash_algorithm(hash)  # its opener checks the marker (_far_tier)
         else:
             algorithm = _check_marker(self.store, create, hash_algorithm(hash or HASH_NAME))
         if hash is not None and hash != algorithm.name:
@@ -302,6 +304,8 @@ class CheckpointStore:
         self.load_options = replace(self.load_options, hash=algorithm)
         self._known = KnownChunks()
         self._manifests: dict[str, Manifest] = {}
+        #: {name: created} as last listed here (see known_created); None: never listed
+        self._seen_created: dict[str, float] | None = None
         self._cache_lock = threading.Lock()
         self._save_lock = threading.Lock()
         self._arena = StagingArena()
@@ -325,8 +329,8 @@ class CheckpointStore:
                     options: dict[str, Any], replicate: bool,
                     retry: RetryPolicy | None) -> None:
         """Open every tier as an ordinary repository (same hash as tier 0; each takes the
-        options that fit it), then resume the replications a crash left pending. A later
-        tier that cannot be reached now (a StoreError) is opened lazily (tiers/lazy.py)."""
+        options that fit it), then resume the replications a crash left pending. Later tiers
+        are FarTiers (tiers/far.py): one that cannot be reached now is opened on first use."""
         common = dict(chunk_bytes=chunk_bytes, compression=compression, workers=workers,
                       max_inflight_bytes=max_inflight_bytes, hash=self.hash.name)
         opened: builtins.list[CheckpointStore] = []
@@ -337,14 +341,11 @@ class CheckpointStore:
                 if not create and not isinstance(u, Store) and not str(u).startswith(
                         "memory://"):
                     opts.setdefault("create", False)
-                try:
-                    opened.append(CheckpointStore(u, create=create, **common,  # type: ignore[arg-type]
-                                                  **opts))
-                except StoreError as exc:
-                    log.warning("tier %s is unreachable (%s); saves and restores go on "
-                                "with the nearer tiers, replication retries it", u, exc)
-                    opened.append(CheckpointStore(
-                        self._lazy_tier(u, opts, create, exc), **common))  # type: ignore[arg-type]
+                far = self._far_tier(u, opts, create)
+                if not far.open_now():
+                    log.warning("tier %s is unreachable; saves and restores go on with the "
+                                "nearer tiers, replication retries it", far.uri)
+                opened.append(CheckpointStore(far, **common))  # type: ignore[arg-type]
         except BaseException:
             for t in opened[1:]:
                 t.close()
@@ -354,27 +355,74 @@ class CheckpointStore:
             self._replicator = Replicator(
                 [t.store for t in opened], self.hash, retry=retry,
                 workers=self.save_options.workers,
-                max_inflight_bytes=self.save_options.max_inflight_bytes)
+                max_inflight_bytes=self.save_options.max_inflight_bytes,
+                on_replicated=lambda name, tier, created: opened[tier].note_committed(
+                    name, created))
             self._replicator.resume()
 
-    def _lazy_tier(self, uri: tier_config.TierURI, options: dict[str, Any], create: bool,
-                   cause: BaseException) -> LazyTier:
+    def _far_tier(self, uri: tier_config.TierURI, options: dict[str, Any],
+                  create: bool) -> FarTier:
         def check(store: Store) -> None:
             found = _check_marker(store, create, self.hash)
             if found.name != self.hash.name:
                 raise FormatError(f"repository {store.uri} names chunks with {found.name}, "
                                   f"not {self.hash.name} like tier 0")
 
-        return LazyTier(str(uri), lambda: open_store(uri, **options), check, cause)
+        def opener() -> Store:
+            try:
+                return open_store(uri, **options)
+            except ObjectNotFoundError:
+                raise RepositoryNotFoundError(f"no ckptstore repository at {uri}") from None
+
+        shown = uri.uri if isinstance(uri, Store) else redact_uri(uri)
+        return FarTier(shown, opener, check)
 
     @property
     def reachable(self) -> bool:
-        """False for a later tier not reached since the store opened (tiers/lazy.py): tiered
-        listings and lookups skip it."""
-        return not isinstance(self.store, LazyTier) or self.store.reachable
+        """False for a later tier that is not open or known to be down (tiers/far.py):
+        tiered listings and lookups skip it without a request."""
+        return not isinstance(self.store, FarTier) or self.store.reachable
 
-    def _reached(self) -> builtins.list[CheckpointStore]:
-        return [t for t in self.tiers if t.reachable]
+    def _from_tiers(self, ask: Callable[[CheckpointStore], T]) -> builtins.list[T]:
+        """`ask(tier)` of every tier that can answer now, nearest first: a later tier that
+        is down, or fails with TierUnreachableError now, is skipped (logged once per
+        outage). Tier 0's errors are raised. The one place where "with a far tier
+        unreachable, everything tier 0 can answer goes on" is decided for reads."""
+        out = []
+        for i, tier in enumerate(self.tiers):
+            if i and not tier.reachable:
+                continue
+            try:
+                out.append(ask(tier))
+            except TierUnreachableError as exc:
+                if not i:
+                    raise
+                log.warning("%s; going on with the nearer tiers", exc)
+        return out
+
+    def note_committed(self, name: str, created: float) -> None:
+        """A checkpoint committed in this (single-tier) store by someone else (replication):
+        remembered for `known_created`."""
+        with self._cache_lock:
+            if self._seen_created is not None:
+                self._seen_created[name] = created
+
+    def known_created(self) -> dict[str, float]:
+        """{name: created} of this tier's checkpoints as last listed, kept up to date with
+        what this process committed or deleted there; listed now if never listed and the
+        tier can answer. A later tier that is down answers from what it showed last (or
+        nothing): what a save checks names and commit order against without a request."""
+        with self._cache_lock:
+            seen = None if self._seen_created is None else dict(self._seen_created)
+        if seen is not None:
+            return seen
+        if not self.reachable:
+            return {}
+        try:
+            return {name: c for c, name in self._created_order()}
+        except TierUnreachableError as exc:
+            log.warning("%s; saving with what tier 0 knows", exc)
+            return {}
 
     # ------------------------------------------------------------------ manifests
     def manifest(self, name: str) -> Manifest:
@@ -411,16 +459,26 @@ class CheckpointStore:
         """Tiered: the manifest from the nearest tier with a readable one (an unreadable
         near copy is logged and skipped)."""
         damaged: FormatError | None = None
-        for tier in self._reached():
+        down: builtins.list[str] = []
+        for i, tier in enumerate(self.tiers):
             try:
+                if i and not tier.reachable:
+                    raise TierUnreachableError(f"tier {tier.uri} is unreachable")
                 return tier.manifest(name)
             except CheckpointNotFoundError:
                 continue
+            except TierUnreachableError as exc:
+                if not i:
+                    raise
+                down.append(str(exc))
             except FormatError as exc:
                 log.warning("%s; reading it from the next tier", exc)
                 damaged = damaged or exc
         if damaged is not None:
             raise damaged
+        if down:
+            raise TierUnreachableError(f"checkpoint {name!r} is not on the tiers of {self.uri} "
+                                       f"that can be reached now ({'; '.join(down)})")
         raise CheckpointNotFoundError(f"no checkpoint {name!r} on any tier of {self.uri}")
 
     def names(self) -> list[str]:
@@ -428,7 +486,8 @@ class CheckpointStore:
         Objects under checkpoints/ whose names no checkpoint can have are skipped. Tiered:
         the union over every tier."""
         if self._tiered:
-            return list(dict.fromkeys(n for t in self._reached() for n in t.names()))
+            return list(dict.fromkeys(n for names in self._from_tiers(CheckpointStore.names)
+                                      for n in names))
         return list(self._listing())
 
     def _listing(self, problems: list[ManifestProblem] | None = None) -> dict[str, int]:
@@ -458,8 +517,8 @@ class CheckpointStore:
         every manifest)."""
         problems: builtins.list[ManifestProblem] = []
         if self._tiered:
-            return [replace(p, reason=f"{t.uri}: {p.reason}")
-                    for t in self._reached() for p in t.problems()]
+            return [replace(p, reason=f"{uri}: {p.reason}") for uri, found in self._from_tiers(
+                lambda t: (t.uri, t.problems())) for p in found]
         names = self._listing(problems)
         with cf.ThreadPoolExecutor(8) as pool:
             for name, error in zip(names, pool.map(self._manifest_error, names)):
@@ -499,8 +558,8 @@ class CheckpointStore:
         """{name: creation time from its manifest} of the committed checkpoints (tiered: the
         union, nearest tier's copy first): the key of commit order."""
         seen: dict[str, float] = {}
-        for tier in self._reached():
-            for c, name in tier._created_order():
+        for order in self._from_tiers(CheckpointStore._created_order):
+            for c, name in order:
                 seen.setdefault(name, c)
         return seen
 
@@ -509,13 +568,21 @@ class CheckpointStore:
         listing = self._listing()
         with cf.ThreadPoolExecutor(8) as pool:
             created = list(pool.map(lambda item: self._created(*item), listing.items()))
-        return sorted((c, name) for c, name in zip(created, listing) if c is not None)
+        order = sorted((c, name) for c, name in zip(created, listing) if c is not None)
+        with self._cache_lock:
+            self._seen_created = {name: c for c, name in order}
+        return order
 
     def latest(self) -> str | None:
         """Name of the newest whole checkpoint in commit order (see `history`), or None if
         there is none. A newest manifest that cannot be read (torn, corrupt) is skipped and
         logged: the one before it is the latest."""
-        for name in reversed(self.history()):
+        return self._newest_whole(sorted((c, n) for n, c in self.created_times().items()))
+
+    def _newest_whole(self, order: builtins.list[tuple[float, str]]) -> str | None:
+        """The last name of `order` ((created, name), oldest first) with a readable
+        manifest (see `latest`)."""
+        for _created, name in reversed(order):
             if self.find_manifest(name) is not None:
                 return name
         return None
@@ -543,14 +610,16 @@ class CheckpointStore:
     def exists(self, name: str) -> bool:
         """True if a tier (any, for a tiered store) holds the checkpoint's manifest."""
         if self._tiered:
-            return any(t.exists(name) for t in self._reached())
+            return self.tiers[0].exists(name) or any(self._from_tiers(
+                lambda t: t is not self.tiers[0] and t.exists(name)))
         return self.store.exists(manifest_key(name))
 
     def where(self, name: str) -> builtins.list[str]:
         """URIs of the tiers holding a committed copy of `name`, nearest first ([] if none)."""
         if name == LATEST:
             name = self.manifest(name).name
-        return [t.uri for t in self._reached() if t.exists(name)]
+        return [uri for uri in self._from_tiers(lambda t: t.uri if t.exists(name) else None)
+                if uri is not None]
 
     def delete(self, name: str, *, tier: int | None = None) -> None:
         """Remove a checkpoint (its manifest) from every tier, or from tier `tier` only. Its
@@ -568,13 +637,19 @@ class CheckpointStore:
         self.store.sync()
         with self._cache_lock:
             self._manifests.pop(name, None)
+            if self._seen_created is not None:
+                self._seen_created.pop(name, None)
 
     def _delete_tiered(self, name: str, tier: int | None) -> None:
         validate_name(name)
         if self._replicator is not None:
             self._replicator.cancel(name)
         chosen = range(len(self.tiers)) if tier is None else [tier]
-        holders = [i for i in chosen if self.tiers[i].exists(name)]
+        try:
+            holders = [i for i in chosen if self.tiers[i].exists(name)]
+        except TierUnreachableError as exc:
+            raise TierUnreachableError(f"{exc}; nothing was deleted (delete(name, tier=0) "
+                                       "removes the tier-0 copy alone)") from exc
         if not holders:
             where = "any tier of " if tier is None else f"tier {tier} of "
             raise CheckpointNotFoundError(f"no checkpoint {name!r} on {where}{self.uri}")
@@ -600,15 +675,22 @@ class CheckpointStore:
             metadata = json.loads(canonical_json(metadata))
         except (TypeError, ValueError) as exc:
             raise UnsupportedTypeError(f"metadata must be JSON-serializable: {exc}") from None
-        if self.exists(name):
+        # Saves land on tier 0: its listing is read now; a later tier is checked against
+        # what this store last saw of it (known_created), never asked in the foreground, so
+        # a far tier that is down neither stops nor slows a save. A name that exists only
+        # there and was never seen here is committed on tier 0, and its replication then
+        # reports the conflict (the far copy is never touched): docs/recovery.md.
+        near = self.tiers[0]
+        order = near._created_order()
+        taken = {n for _c, n in order} | {n for t in self.tiers[1:] for n in t.known_created()}
+        if name in taken or near.exists(name):
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in {self.uri}; it "
                                         "was not touched")
         encoder = TreeEncoder()
         with paused_collector():
             tree = encoder.encode_state(state)
-        latest = self.latest()
-        near = self.tiers[0]  # saves land on tier 0: only chunks it holds may be reused
-        parent_name = (near.latest() if self._tiered else latest) if parent == LATEST else parent
+        # only chunks tier 0 holds may be reused: the parent is tier 0's latest
+        parent_name = near._newest_whole(order) if parent == LATEST else parent
         # Only the parent's chunks are known to exist: chunks remembered from earlier saves
         # may belong to checkpoints deleted (and swept by retention or gc) since.
         self._known = KnownChunks()
@@ -617,8 +699,9 @@ class CheckpointStore:
                 self.manifest(parent_name)  # raises if it is nowhere; its chunks are not near
             else:
                 self._known.add_manifest(near.manifest(parent_name))
-        self._not_before = 0.0 if latest is None else (
-            self.manifest(latest).created + COMMIT_ORDER_STEP)
+        newest = max([c for c, _n in order[-1:]] + [
+            c for t in self.tiers[1:] for c in t.known_created().values()], default=None)
+        self._not_before = 0.0 if newest is None else newest + COMMIT_ORDER_STEP
         return SaveRequest(name, tree, encoder.leaves, metadata, parent_name, manifest_key(name))
 
     def _prepare_or_abort(self, committer: Committer, name: str, state: Any,
@@ -897,8 +980,8 @@ class CheckpointStore:
             first = [prefer] if prefer is not None else []
             if self._tiered or first:
                 skip = len(first)  # store indexes of the reader -> tier indexes
-                holders = [i for i, t in enumerate(self.tiers)
-                           if t.reachable and t.exists(manifest.name)]
+                holders = [i for i, held in self._from_tiers(
+                    lambda t: (self.tiers.index(t), t.exists(manifest.name))) if held]
                 stores = [*first, *(t.store for t in self.tiers)]
                 reader = CheckpointReader(
                     stores[0], self.load_options, fallbacks=stores[1:],
@@ -956,15 +1039,22 @@ class CheckpointStore:
         """Re-read and re-hash every blob the checkpoint references (or a random `sample`
         fraction of them). Returns a report; `report.ok` is False on any bad or missing blob.
         Tiered: the copy on tier `tier`, by default on the nearest tier holding it."""
-        manifest = self.manifest(name)
         if self._tiered:
-            holders = [i for i, t in enumerate(self.tiers) if t.exists(manifest.name)]
-            if tier is None and holders:
-                tier = holders[0]
-            if tier is None or tier not in holders:
-                raise CheckpointNotFoundError(f"no checkpoint {manifest.name!r} on tier {tier}"
-                                              f" of {self.uri}")
-            return self.tiers[tier].verify(manifest.name, sample=sample)
+            if tier is not None and not 0 <= tier < len(self.tiers):
+                raise ValueError(f"tier must be in 0..{len(self.tiers) - 1}, got {tier!r}")
+            if name == LATEST:
+                name = self.manifest(name).name
+            if tier is None:  # the nearest holder: tier 0 answers without the far tiers
+                chosen = self.tiers[0] if self.tiers[0].exists(name) else next(
+                    (t for t in self._from_tiers(lambda t: t if t is not self.tiers[0]
+                                                 and t.exists(name) else None) if t), None)
+            else:
+                chosen = self.tiers[tier] if self.tiers[tier].exists(name) else None
+            if chosen is None:
+                where = "any tier" if tier is None else f"tier {tier}"
+                raise CheckpointNotFoundError(f"no checkpoint {name!r} on {where} of {self.uri}")
+            return chosen.verify(name, sample=sample)
+        manifest = self.manifest(name)
         return checks.verify(self.store, [manifest], self.hash, sample=sample)
 
     def referenced_blobs(self) -> set[str]:

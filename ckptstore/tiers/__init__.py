@@ -7,7 +7,7 @@ a CheckpointStore (the facade composes them).
     pending.py      tier-0 records of checkpoints still to replicate (found again on reopen)
     replication.py  copy one checkpoint to the next tier (verified, create-only) and the
                     background Replicator with its retries
-    lazy.py         a later tier unreachable when the store opened, opened on first use
+    far.py          a later tier's store: opened on first use, known down after a failure
 
 Restores from the nearest good copy use the reader's fallback sources
 (pipeline/reader.py); the facade repairs the nearer tiers (CheckpointStore._repair). Peer

@@ -73,6 +73,7 @@ class ReplicationResult:
 
     name: str
     target: str
+    created: float  # the manifest's `created` (commit order), the same on every tier
     blobs_needed: int
     blobs_sent: int
     bytes_sent: int
@@ -145,7 +146,7 @@ def replicate_checkpoint(name: str, sources: Sequence[Store], dst: Store,
             if existing != raw:
                 raise CheckpointExistsError(f"checkpoint {name!r} exists in {dst.uri} with "
                                             "other content; it was not touched")
-            return ReplicationResult(name, dst.uri, len(sizes), 0, 0, True,
+            return ReplicationResult(name, dst.uri, manifest.created, len(sizes), 0, 0, True,
                                      time.perf_counter() - t0)
         known: set[str] = set()
         if manifest.parent is not None:  # a committed manifest's blobs are all there
@@ -183,8 +184,8 @@ def replicate_checkpoint(name: str, sources: Sequence[Store], dst: Store,
             raise CheckpointExistsError(f"checkpoint {name!r} appeared in {dst.uri} with other "
                                         "content during replication; it was not touched"
                                         ) from None
-    return ReplicationResult(name, dst.uri, len(sizes), len(missing), sent, False,
-                             time.perf_counter() - t0)
+    return ReplicationResult(name, dst.uri, manifest.created, len(sizes), len(missing), sent,
+                             False, time.perf_counter() - t0)
 
 
 @dataclass(frozen=True)
@@ -201,11 +202,18 @@ class Replicator:
 
     `submit(name, targets)` queues a checkpoint (targets: indexes of later tiers); `wait()`
     blocks until the queue is empty and raises the first error not yet raised; `close()`
-    stops the thread (after the queue drains with `wait=True`). Thread-safe."""
+    stops the thread (after the queue drains with `wait=True`). Thread-safe.
+
+    Catching up: a checkpoint whose replication gave up (a far tier down for longer than the
+    retries last) keeps its record; once a later replication to that tier succeeds (the
+    tier is back), every recorded checkpoint is queued again, and the error of one that
+    then arrives is forgotten. `on_replicated(name, tier, created)` hears of each copy made
+    or found on a tier."""
 
     def __init__(self, stores: Sequence[Store], algorithm: HashAlgorithm, *,
                  retry: RetryPolicy | None = None, workers: int = 8,
-                 max_inflight_bytes: int = 256 * MiB) -> None:
+                 max_inflight_bytes: int = 256 * MiB,
+                 on_replicated: Callable[[str, int, float], None] | None = None) -> None:
         if len(stores) < 2:
             raise ValueError("replication needs at least two tiers")
         self.stores = list(stores)
@@ -216,7 +224,9 @@ class Replicator:
         self.results: list[ReplicationResult] = []
         self._queue: list[tuple[str, tuple[int, ...]]] = []
         self._active: str | None = None
-        self._errors: list[ReplicationError] = []
+        self._errors: dict[str, ReplicationError] = {}  # by name, until it arrives after all
+        self._gave_up: set[int] = set()  # tiers with a replication that gave up since
+        self._on_replicated = on_replicated
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -242,15 +252,20 @@ class Replicator:
         failed replication). Drops records of saves that never committed anywhere (older
         than pending.ORPHAN_AGE). Returns the names queued."""
         queued: list[str] = []
-        records = pending.read_records(self.stores[0])
+        near = self.stores[0]
+        records = pending.read_records(near)
         if not records:
             return queued
-        now = leases.store_clock(self.stores[0])
+        now: float | None = None
         for rec in records:
-            on_any = any(s.exists(manifest_key(rec.name)) for s in self.stores)
-            if not on_any:
+            # Only tier 0 is asked: the record is written before the tier-0 commit, and
+            # every later tier is fed from tier 0, so a record whose checkpoint tier 0 does
+            # not hold belongs to a save that never committed (or one still running in
+            # another process, if young). A far tier that is down is never asked here.
+            if not near.exists(manifest_key(rec.name)):
+                now = leases.store_clock(near) if now is None else now
                 if now - rec.mtime > pending.ORPHAN_AGE:
-                    pending.clear_record(self.stores[0], rec.name)
+                    pending.clear_record(near, rec.name)
                 continue
             self.submit(rec.name, rec.tiers)
             queued.append(rec.name)
@@ -285,7 +300,8 @@ class Replicator:
                                        f"{self.pending()}")
                 self._cond.wait(left)
             if self._errors:
-                first, self._errors = self._errors[0], []
+                first = next(iter(self._errors.values()))
+                self._errors = {}
                 raise first
 
     def close(self, wait: bool = True) -> None:
@@ -322,22 +338,36 @@ class Replicator:
                     self._cond.notify_all()
 
     def _replicate_all(self, name: str, targets: tuple[int, ...]) -> None:
+        catch_up = False
         for t in targets:
             try:
                 result = self._with_retries(name, t)
             except ReplicationError as exc:
                 log.error("%s", exc)
                 with self._cond:
-                    self._errors.append(exc)
+                    self._errors[name] = exc
+                    self._gave_up.add(t)
                 return  # later tiers are fed from nearer ones: stop here, record stays
             if result is None:
                 break  # deleted meanwhile
             with self._cond:
                 self.results.append(result)
+                catch_up = catch_up or t in self._gave_up
+                self._gave_up.discard(t)
+            if self._on_replicated is not None:
+                self._on_replicated(name, t, result.created)
+        with self._cond:
+            self._errors.pop(name, None)
         try:
             pending.clear_record(self.stores[0], name)
         except CkptStoreError as exc:  # a stale record only costs a no-op replication later
             log.warning("could not clear the pending record of %r: %s", name, exc)
+        if catch_up:  # a tier is back: send what gave up while it was down
+            log.info("a far tier is reachable again; replicating what waited for it")
+            try:
+                self.resume()
+            except CkptStoreError as exc:  # tried again at the next catch-up or open
+                log.warning("could not queue the pending replications: %s", exc)
 
     def _with_retries(self, name: str, target: int) -> ReplicationResult | None:
         policy = self.retry

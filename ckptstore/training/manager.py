@@ -56,6 +56,7 @@ from ..repository import CheckpointStore, SaveHandle
 from ..stores.base import Store
 from ..tiers import config as tier_config
 from ..tiers import pending
+from ..tiers.far import TierUnreachableError
 from . import distributed as cdist
 from .peers import PeerMap, PeerReplicas, ranks_per_node
 from .retention import Retention, TieredRetention
@@ -248,7 +249,7 @@ class CheckpointManager:
             history = self.repo.history()
             self._since = [0]
             for tier in self.repo.tiers[1:]:
-                held = set(tier.names()) if tier.reachable else set()  # unknown: due now
+                held = set(tier.known_created())  # a tier down: as last seen, or nothing
                 last = max((i for i, name in enumerate(history) if name in held), default=-1)
                 self._since.append(len(history) - 1 - last if last >= 0 else 1 << 30)
         due = self.tier_policy.due(self._since)
@@ -265,29 +266,32 @@ class CheckpointManager:
             holdings = [set(history)]
             waiting: set[int] = set()
         else:
-            # a far tier not reached yet (down at open) counts as holding nothing, so the
-            # nearer tiers keep more, and its own retention waits until it is reached
-            holdings = [{int(m.group(1)) for name in t.names()
-                         if (m := STEP_NAME.fullmatch(name))} if t.reachable else set()
-                        for t in tiers]
+            # a far tier that is down counts as holding what it held when last seen (or
+            # nothing), so the nearer tiers keep at least as much, and its own retention
+            # waits until it is back (docs/recovery.md, "When a far tier is down")
+            holdings = [{int(m.group(1)) for name in (t.names() if i == 0 else t.known_created())
+                         if (m := STEP_NAME.fullmatch(name))} for i, t in enumerate(tiers)]
             waiting = {int(m.group(1)) for r in pending.read_records(tiers[0].store)
                        if (m := STEP_NAME.fullmatch(r.name))}
         for i, tier in enumerate(tiers):
             if not tier.reachable:
                 continue
-            for step in self.tier_policy.to_delete(i, holdings, history, saved, waiting):
-                name = self.name_of(step)
-                try:
-                    self._doomed[i] |= tier.manifest(name).blob_digests()
-                    if len(tiers) == 1:
-                        self.repo.delete(name)
-                    else:
-                        self.repo.delete(name, tier=i)
-                    holdings[i].discard(step)
-                except FileNotFoundError:
-                    continue
-            if self._doomed[i]:
-                self._sweep(i)
+            try:
+                for step in self.tier_policy.to_delete(i, holdings, history, saved, waiting):
+                    name = self.name_of(step)
+                    try:
+                        self._doomed[i] |= tier.manifest(name).blob_digests()
+                        if len(tiers) == 1:
+                            self.repo.delete(name)
+                        else:
+                            self.repo.delete(name, tier=i)
+                        holdings[i].discard(step)
+                    except FileNotFoundError:
+                        continue
+                if self._doomed[i]:
+                    self._sweep(i)
+            except TierUnreachableError:
+                continue  # went down meanwhile: its retention waits until it is back
 
     def _sweep(self, i: int) -> None:
         """Delete the blobs of tier i's dropped checkpoints that no checkpoint there still

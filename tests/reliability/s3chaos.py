@@ -7,7 +7,8 @@ Built on the fault-injection helpers of tests/test_s3_store.py (`FaultPlan`, `Fa
   with probability `rate` (seeded RNG): 503 SlowDown, 500 InternalError, 500 after the request
   landed (a lost reply), a connection dropped before the request is processed or after it
   landed, and, for GETs, a body cut off half-way. Independently, with probability `rate`, the
-  request is delayed by 5-50 ms.
+  request is delayed by 5-50 ms. While `down` is set (an outage), every request's connection
+  is dropped before it is processed.
 * `ChaosMiddleware` is a FaultMiddleware that also knows the actions `FaultMiddleware` lacks
   ("500", "drop", "drop-after") and hands the others to it.
 * `ForwardApp` is a WSGI app that forwards each request byte for byte (headers, raw path and
@@ -45,6 +46,9 @@ class ChaosPlan(FaultPlan):
         self._rng = random.Random(seed)
         self.injected: Counter[str] = Counter()
         self.request_count = 0
+        #: an outage: while True every request's connection is dropped (counted in `refused`)
+        self.down = False
+        self.refused = 0
 
     def configure(self, rate: float, seed: int) -> None:
         with self.lock:
@@ -58,6 +62,9 @@ class ChaosPlan(FaultPlan):
         rule = super().take(env)  # explicit rules first; records the request in `seen`
         with self.lock:
             self.request_count += 1
+            if self.down:
+                self.refused += 1
+                return Rule(lambda _env: True, "drop")
             if rule is not None:
                 return rule
             pause = self._rng.uniform(0.005, 0.05) if self._rng.random() < self.rate else 0.0
