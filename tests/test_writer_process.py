@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -108,6 +109,47 @@ def test_writer_killed_mid_save_fails_it_and_the_next_save_starts_another(tmp_pa
     assert info.logical_bytes == 16 * MiB
     assert_same(repo.load("again"), state)
     assert writer_pids(os.getpid()) and writer not in writer_pids(os.getpid())
+    repo.close()
+
+
+def test_a_writer_killed_between_two_blobs_is_replaced_and_its_folders_are_synced(
+        tmp_path, monkeypatch):
+    """SIGKILL of the writer while it is idle between two blob writes of one save: the next
+    put starts another writer, the save commits, and the sync before the commit names every
+    blob put since the last sync, the dead writer's included (its successor fsyncs their
+    folders: the power-loss campaign checks what survives)."""
+    from ckptstore.pipeline.writer_process import WriterProcess
+
+    repo = CheckpointStore(tmp_path / "r", chunk_bytes=MiB, async_writer="process")
+    repo.save_async("warm", {"x": torch.ones(4)}, staging="overlap").wait()
+    put, request = WriterProcess.put, WriterProcess._request
+    killed: list[int] = []
+    dead_writer_keys: list[str] = []
+    syncs: list[list[str]] = []
+    one_at_a_time = threading.Lock()
+
+    def put_then_kill(self, key, data):
+        with one_at_a_time:  # no request in flight at the kill: the writer is idle
+            put(self, key, data)
+            if not killed:
+                dead_writer_keys.append(key)
+                killed.append(self.pid)
+                os.kill(self.pid, signal.SIGKILL)
+                assert wait_gone(self.pid)
+
+    def recording(self, message, payload=None):
+        if message["op"] == "sync":
+            syncs.append(list(message["keys"]))
+        request(self, message, payload)
+
+    monkeypatch.setattr(WriterProcess, "put", put_then_kill)
+    monkeypatch.setattr(WriterProcess, "_request", recording)
+    state = {f"w{i}": torch.rand(256, 1024) for i in range(4)}  # 4 blobs of 1 MiB
+    repo.save_async("big", state, staging="overlap", max_host_bytes=2 * MiB).wait()
+    assert killed and writer_pids(os.getpid()) and killed[0] not in writer_pids(os.getpid())
+    assert_same(repo.load("big"), state)
+    assert repo.verify("big").ok
+    assert dead_writer_keys[0] in syncs[-1]  # handed to the writer that replaced it
     repo.close()
 
 

@@ -15,7 +15,10 @@ Protocol, over a Unix socket pair (no pickle: JSON lines and raw bytes):
     "inline": n}` followed by n raw bytes (data that is not in a slot: packs of small
     arrays, compressed chunks). Large blobs in a slot are written with O_DIRECT from the
     slot itself (stores/direct_io.py: no page-cache copy; buffered where refused).
-  - `{"op": "sync", "id": k}`: make every object written so far durable (`store.sync()`).
+  - `{"op": "sync", "id": k, "keys": [...]}`: make every object written so far durable
+    (`store.sync()`), and the folders of `keys` too: the objects put since the last sync
+    through any writer, so that those a writer that has since ended renamed into place are
+    made durable by its successor (`LocalStore.note_written`).
 * writer -> parent: `{"id": k}` when request k is done, or `{"id": k, "error": {"type":
   ..., "message": ..., "errno": ...}}`.
 
@@ -23,7 +26,10 @@ Lifetime: one writer per staging pool, started at its first request. The writer 
 the socket closes (the parent closed it or died) and, in case another process inherited the
 parent's end, when its parent process changes (polled every 0.1 s). A writer killed mid-way
 fails the requests in flight (StoreError): the save fails and nothing is committed, since
-only the parent ever creates manifests; the next save starts a new writer. A parent killed
+only the parent ever creates manifests; the next request starts a new writer. A writer that
+ended while idle (between two puts of one save) loses nothing either: the parent remembers
+every object put since the last sync, whoever wrote it, and the next sync makes all their
+folders durable. A parent killed
 mid-way commits nothing either; the writer finishes at most the object in hand (an
 unreferenced blob, later reclaimed by gc) and exits.
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import array
 import concurrent.futures as cf
+import functools
 import itertools
 import json
 import mmap
@@ -44,7 +51,7 @@ import time
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -95,11 +102,24 @@ def _address(data: Buffer) -> tuple[int, int]:
     return int(view.ctypes.data), view.nbytes
 
 
+class WriterHandle(Protocol):
+    """What the parent needs of a started writer (a `subprocess.Popen`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 class _Connection:
     """One started writer: its process, the parent's end of the socket, and the requests
     sent to it that it has not answered yet."""
 
-    def __init__(self, sock: socket.socket, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, sock: socket.socket, proc: WriterHandle) -> None:
         self.sock = sock
         self.proc = proc
         self.pending: dict[int, cf.Future[None]] = {}
@@ -155,6 +175,19 @@ def _stop(box: list[_Connection | None]) -> None:
             pass
 
 
+def spawn_writer(fd: int, root: Path, threads: int, direct: bool) -> WriterHandle:
+    """Start a writer process serving socket `fd` (which the caller closes afterwards).
+    The one place a writer is started: tests replace it to run `serve` where their power
+    loss model sees its disk operations (tests/reliability/powerloss.py)."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=package_root + (os.pathsep + path if path else ""))
+    return subprocess.Popen(
+        [sys.executable, "-c", _CHILD_MAIN, str(fd), str(root), str(threads),
+         "direct" if direct else "buffered"],
+        pass_fds=[fd], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+
+
 class WriterProcess:
     """The parent's end: `put()` and `sync()` run in the writer process; thread-safe (many
     requests may be in flight). Shared slots are registered with `add_slot()`."""
@@ -167,6 +200,8 @@ class WriterProcess:
         self._lock = threading.Lock()  # the connection, its pending requests, the slots
         self._ids = itertools.count()
         self._slots: list[SharedSlot] = []
+        #: keys put since the last sync, by any writer (see the module docstring)
+        self._unsynced: set[str] = set()
         # the live connection, in a box the reply reader and the finalizer share: neither
         # keeps this object alive, and when it goes, its writer is told to stop
         self._box: list[_Connection | None] = [None]
@@ -190,16 +225,8 @@ class WriterProcess:
         if self._conn is not None and self._conn.alive():
             return self._conn
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        package_root = str(Path(__file__).resolve().parents[2])
-        path = os.environ.get("PYTHONPATH")
-        env = dict(os.environ, PYTHONPATH=package_root + (os.pathsep + path if path else ""))
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _CHILD_MAIN,
-                 str(theirs.fileno()), str(self.root), str(self.threads),
-                 "direct" if self.direct else "buffered"],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, env=env)
+            proc = spawn_writer(theirs.fileno(), self.root, self.threads, self.direct)
         except BaseException:
             ours.close()
             raise
@@ -254,10 +281,17 @@ class WriterProcess:
                            "offset": address - slot.address, "nbytes": nbytes})
         else:
             self._request({"op": "put", "key": key, "inline": nbytes}, data)
+        with self._lock:
+            self._unsynced.add(key)
 
     def sync(self) -> None:
-        """Make every object the writer wrote durable (LocalStore.sync in the writer)."""
-        self._request({"op": "sync"})
+        """Make every object put since the last sync durable, whichever writer wrote it
+        (LocalStore.sync in the writer, told the keys of its predecessors too)."""
+        with self._lock:
+            keys = sorted(self._unsynced)
+        self._request({"op": "sync", "keys": keys})
+        with self._lock:
+            self._unsynced.difference_update(keys)
 
     @property
     def pid(self) -> int | None:
@@ -327,10 +361,13 @@ def _watch_parent(parent: int) -> None:
     os._exit(0)
 
 
-def serve(fd: int, root: str, threads: int, direct: bool = True) -> None:
-    """The writer's main loop (module docstring); `direct`: O_DIRECT for large blobs."""
-    parent = os.getppid()
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+def serve(fd: int, root: str, threads: int, direct: bool = True,
+          watch_parent: bool = True) -> None:
+    """The writer's main loop (module docstring); `direct`: O_DIRECT for large blobs;
+    `watch_parent`: exit when the parent process changes (off where the writer runs as a
+    thread of its parent: tests)."""
+    if watch_parent:
+        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     sock = socket.socket(fileno=fd)
     channel = _Channel(sock)
     store = DirectLocalStore(root, create=False) if direct else LocalStore(root, create=False)
@@ -346,11 +383,18 @@ def serve(fd: int, root: str, threads: int, direct: bool = True) -> None:
         with send_lock:
             sock.sendall((json.dumps(reply) + "\n").encode())
 
+    def sync(keys: list[str]) -> None:
+        store.note_written(keys)  # what a writer before this one put since the last sync
+        store.sync()
+
     def run(rid: int, work: Any) -> None:
         try:
             work()
         except Exception as exc:  # reported to the parent, which raises it
             answer(rid, exc)
+        except BaseException:  # the writer is going down: end the channel, so that the
+            sock.shutdown(socket.SHUT_RDWR)  # parent fails this request instead of waiting
+            raise
         else:
             answer(rid, None)
 
@@ -371,7 +415,7 @@ def serve(fd: int, root: str, threads: int, direct: bool = True) -> None:
             elif op == "sync":
                 cf.wait(in_flight)
                 in_flight.clear()
-                run(msg["id"], store.sync)
+                run(msg["id"], functools.partial(sync, msg.get("keys", [])))
             in_flight[:] = [f for f in in_flight if not f.done()]
 
 

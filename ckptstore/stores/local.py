@@ -32,7 +32,7 @@ import os
 import stat
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -380,6 +380,14 @@ class LocalStore(Store):
             os.close(dir_fd)
         with self._lock:
             self._dirty.add(self._folder_path(key))
+
+    def note_written(self, keys: Iterable[str]) -> None:
+        """Objects under these keys were written into this folder by another handle (a
+        writer process that has ended): the next `sync()` makes their folders durable too,
+        as if this store had written them."""
+        folders = {self._folder_path(validate_key(k)) for k in keys}
+        with self._lock:
+            self._dirty |= folders
 
     def deferred(self) -> DeferredPuts:
         """Puts written to temp files at once and fsynced in the background (concurrent

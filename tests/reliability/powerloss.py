@@ -26,15 +26,19 @@ run, so the kernel cannot reuse its inode number, and an inode number names one 
 
 Limits (see docs/reliability.md): unsynced data is dropped whole (no torn sector, no garbage,
 no partial prefix); between the two modes no mixed subset of unsynced name changes is tried;
-only what `ckptstore.stores.local` calls is intercepted.
+only what `ckptstore.stores.local` and `direct_io` call is intercepted, in this process and
+in the async writer processes, which run here as threads (`ThreadWriter`).
 """
 
 from __future__ import annotations
 
+import itertools
 import os as real_os
 import pathlib
 import shutil
+import socket
 import stat
+import subprocess
 import threading
 import types
 from collections.abc import Callable, Generator, Iterator
@@ -44,6 +48,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+import ckptstore.pipeline.writer_process as writer_process_module
+import ckptstore.stores.direct_io as direct_io_module
 import ckptstore.stores.local as local_module
 
 MODES = ("strict", "eager-names")
@@ -210,11 +216,67 @@ class PowerLossHarness:
     # -- installing the proxies ---------------------------------------------------------------
     @contextmanager
     def installed(self) -> Iterator[PowerLossHarness]:
-        """Route `ckptstore.stores.local`'s `os` and `Path` through this harness."""
+        """Route the disk calls of every process that writes a save's bytes through this
+        harness: `ckptstore.stores.local`'s (and `direct_io`'s) `os` and `Path`, and the
+        async writer processes, which run as threads of this process here (`ThreadWriter`)
+        so that their calls pass the same proxies."""
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(local_module, "os", _OsProxy(self))
+            proxy = _OsProxy(self)
+            mp.setattr(local_module, "os", proxy)
+            mp.setattr(direct_io_module, "os", proxy)
             mp.setattr(local_module, "Path", _path_class(self))
+            mp.setattr(writer_process_module, "spawn_writer", ThreadWriter.spawn)
             yield self
+
+
+class ThreadWriter:
+    """A writer "process" (ckptstore/pipeline/writer_process.py) run as a thread of the test
+    process: the same `serve` loop, with its own store object and its own end of the socket
+    pair, as a real writer has; only its disk calls now pass the harness. `kill()` is
+    SIGKILL's effect on the parent's side: the channel ends at once, and the writer does
+    nothing more (its thread is joined)."""
+
+    _pids = itertools.count(1 << 30)
+
+    def __init__(self, fd: int, root: Path, threads: int, direct: bool) -> None:
+        self.pid = next(self._pids)  # never a real process's
+        self._fd = real_os.dup(fd)  # the caller closes its own descriptor
+        self._sock = socket.socket(fileno=real_os.dup(self._fd))
+        self._thread = threading.Thread(
+            target=self._serve, args=(str(root), threads, direct), daemon=True,
+            name="ckpt-thread-writer")
+        self._thread.start()
+
+    @classmethod
+    def spawn(cls, fd: int, root: Path, threads: int, direct: bool) -> ThreadWriter:
+        return cls(fd, root, threads, direct)
+
+    def _serve(self, root: str, threads: int, direct: bool) -> None:
+        try:
+            writer_process_module.serve(self._fd, root, threads, direct, watch_parent=False)
+        except BaseException:  # noqa: BLE001 - a power cut or a kill ends the writer
+            pass
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def poll(self) -> int | None:
+        return None if self._thread.is_alive() else 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise subprocess.TimeoutExpired("thread-writer", timeout or 0.0)
+        return 0
+
+    def kill(self) -> None:
+        self._shutdown()
+        self._thread.join()
 
 
 def _materialize(folder: Path, tree: dict[str, Any]) -> None:

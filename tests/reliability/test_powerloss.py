@@ -14,10 +14,13 @@ acknowledged checkpoint.
 
 from __future__ import annotations
 
+import itertools
 import random
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ import pytest
 import ckptstore.stores.local as local_module
 from ckptstore import CheckpointManager, CheckpointStore, CkptStoreError
 from ckptstore.errors import RepositoryNotFoundError
+from ckptstore.pipeline.writer_process import WriterProcess
 
 from .common import Profile, gc_at, make_state, state_digest
 from .powerloss import PowerCut, PowerLossHarness
@@ -58,15 +62,44 @@ class Expect:
 
 
 Step = tuple[str, ...]
+SAVES = ("save", "save_async", "save_overlap", "save_overlap_replaced")
+#: store folders a writer process renamed a blob into just before it was replaced
+REPLACED_WRITERS_FOLDERS: set[str] = set()
+
+
+@contextmanager
+def writer_replaced_after_first_put() -> Iterator[None]:
+    """The writer process dies while idle, right after the first blob of a save is written
+    (SIGKILL's effect: ThreadWriter.kill); the save's next put starts another writer."""
+    original = WriterProcess.put
+    puts = itertools.count(1)
+    one_at_a_time = threading.Lock()  # so that no request is in flight at the kill
+
+    def put(self: WriterProcess, key: str, data: Any) -> None:
+        with one_at_a_time:
+            original(self, key, data)
+            if next(puts) != 1:
+                return
+            REPLACED_WRITERS_FOLDERS.add(key.rpartition("/")[0])
+            conn = self._conn
+            assert conn is not None
+            conn.proc.kill()
+            conn.proc.wait()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WriterProcess, "put", put)
+        yield
 
 
 def fixed_scenario() -> list[Step]:
-    """Every kind of operation once or more: sync and async saves, CheckpointManager saves
-    whose retention deletes and sweeps, delete, leased gc, a gc that reclaims, and a chunk
-    set saved again after gc removed it."""
+    """Every kind of operation once or more: sync and async saves, overlapped saves written
+    by a writer process (one of them replaced between two of its blob writes),
+    CheckpointManager saves whose retention deletes and sweeps, delete, leased gc, a gc that
+    reclaims, and a chunk set saved again after gc removed it."""
     return [("save", "a"), ("save_async", "b"), ("manager", "1"), ("manager", "2"),
             ("manager", "3"), ("delete", "a"), ("gc",), ("gc_reclaim",), ("save", "c.of.a"),
-            ("delete", "b"), ("save_async", "d")]
+            ("save_overlap", "e"), ("delete", "b"), ("save_async", "d"),
+            ("save_overlap_replaced", "f")]
 
 
 def random_scenario(seed: int) -> list[Step]:
@@ -75,8 +108,9 @@ def random_scenario(seed: int) -> list[Step]:
     names: list[str] = []
     step_no = 0
     for i in range(rng.randint(8, 14)):
-        op = rng.choice(["save", "save", "save_async", "manager", "delete", "gc", "gc_reclaim"])
-        if op in ("save", "save_async"):
+        op = rng.choice(["save", "save", "save_async", "save_overlap", "save_overlap_replaced",
+                         "manager", "delete", "gc", "gc_reclaim"])
+        if op in SAVES:
             name = (f"n{i}" if not names or rng.random() < 0.7
                     else f"n{i}.of.{rng.choice(names)}")
             names.append(name)
@@ -93,19 +127,24 @@ def random_scenario(seed: int) -> list[Step]:
 
 def run_scenario(root: Path, steps: list[Step], expect: Expect) -> None:
     """Run `steps` on a store at `root`, recording in `expect` what was acknowledged."""
-    repo = CheckpointStore(root, chunk_bytes=CHUNK, workers=1)
+    repo = CheckpointStore(root, chunk_bytes=CHUNK, workers=1, async_writer="process")
     expect.opened = True
     manager = CheckpointManager(repo, keep_last=2)
     try:
         for step in steps:
             op = step[0]
-            if op in ("save", "save_async"):
+            if op in SAVES:
                 name = step[1]
                 state = content(name)
                 if op == "save":
                     repo.save(name, state)
-                else:
+                elif op == "save_async":
                     repo.save_async(name, state).wait()
+                else:
+                    replaced = (writer_replaced_after_first_put() if op.endswith("_replaced")
+                                else nullcontext())
+                    with replaced:
+                        repo.save_async(name, state, staging="overlap").wait()
                 expect.acked[name] = state_digest(state)
             elif op == "manager":
                 k = int(step[1])
@@ -180,8 +219,9 @@ def crash_once(folder: Path, steps: list[Step], crash_at: int | None, mode: str,
     with harness.installed():
         try:
             run_scenario(root, steps, expect)
-        except PowerCut:
-            pass
+        except BaseException:  # the power cut, or what it made another thread raise
+            if not harness.dead:
+                raise
     harness.power_cut()
     result = CrashResult(crash_at, len(harness.ops), expect.steps_done,
                          check_after_cut(root, expect), harness.skipped)
@@ -269,6 +309,30 @@ def test_harness_finds_a_skipped_fsync(tmp_path: Path, sabotage: str, profile: P
     campaign_report("powerloss-teeth", sabotage=sabotage, crash_points_tried=tried,
                     points_with_violations=len(found), first_hit=found[0].crash_at,
                     example=found[0].violations[0])
+
+
+def test_harness_finds_a_replaced_writers_folder_left_unsynced(
+        tmp_path: Path, campaign_report: Callable[..., Any]) -> None:
+    """The writer process is another process: a blob it renamed into place before it was
+    replaced is durable only if some process fsyncs that folder before the commit. Skipping
+    exactly those folder fsyncs must lose an acknowledged checkpoint."""
+    steps: list[Step] = [("save", "a"), ("save_overlap_replaced", "f")]
+    clean = crash_once(tmp_path, steps, None, "strict")
+    assert not clean.violations and REPLACED_WRITERS_FOLDERS
+
+    def skip(path: str, is_dir: bool) -> bool:
+        return is_dir and any(path.endswith("/" + f) for f in REPLACED_WRITERS_FOLDERS)
+
+    full = crash_once(tmp_path, steps, None, "strict", skip)
+    assert full.skipped > 0, "the sabotage never applied"
+    after = crash_once(tmp_path, steps, full.ops + 1, "strict", skip)  # power cut at the end
+    assert any("acknowledged" in v or "does not load" in v for v in after.violations), \
+        "the harness missed the replaced writer's unsynced folder"
+    control = crash_once(tmp_path, steps, full.ops + 1, "strict")
+    assert not control.violations, control.violations
+    campaign_report("powerloss-teeth", sabotage="replaced-writer-folder-fsync",
+                    crash_points_tried=1, points_with_violations=1, first_hit=full.ops + 1,
+                    example=after.violations[0])
 
 
 # -- the model itself ---------------------------------------------------------------------------
