@@ -848,7 +848,7 @@ class CheckpointStore:
                    parent: str | None = LATEST, compression: Compression = REPO_DEFAULT,
                    committer: Committer = LOCAL, staging: str | None = None,
                    max_host_bytes: int | None = None,
-                   copy_keys: Iterable[str] = (),
+                   copy_keys: Iterable[str] = (), guard: Iterable[Any] = (),
                    tiers: Iterable[int] | None = None) -> SaveHandle:
         """Save `state` in the background; the checkpoint holds each tensor's value at the
         moment of this call. One save is in flight at a time: this first waits for the
@@ -870,6 +870,10 @@ class CheckpointStore:
           `handle.guard(optimizer)` to make `optimizer.step()` wait for that; a tensor
           changed in place too early fails the save with `SourceChangedError` naming it and
           nothing is committed (what can and cannot be detected: docs/training.md).
+          `guard=[optimizers]` guards them from the start, before the background write
+          begins (as `handle.guard`; a wrapper such as accelerate's AcceleratedOptimizer is
+          guarded through the optimizer it wraps): if one cannot be guarded
+          (UnsupportedTypeError), the save is abandoned before it writes anything.
 
         Tiered: the handle finishes when tier 0 has committed; replication to the later
         tiers among `tiers` (default: all) follows in the background (`wait_replicated`).
@@ -883,6 +887,7 @@ class CheckpointStore:
             self._wait_pending()
             lease = leases.acquire_save(self.store)  # released when the background write ends
             overlap: Overlap | None = None
+            guards: builtins.list[Guard] = []
             options = self._options(compression)
             try:
                 with quiet_collector():
@@ -896,7 +901,10 @@ class CheckpointStore:
                             options = overlap_options(options, max_host_bytes)
                             request, overlap = self._overlap_request(
                                 request, state, set(copy_keys), options)
+                            guards.extend(Guard(overlap, opt) for opt in guard)
             except BaseException:
+                for g in guards:
+                    g.remove()
                 lease.release()
                 raise
             blocked = time.perf_counter() - t0
@@ -922,6 +930,7 @@ class CheckpointStore:
 
             future = self._bg.submit(write)
             handle = SaveHandle(future, name, overlap, turns)
+            handle._guards = guards
             self._pending = handle
             return handle
 

@@ -210,6 +210,60 @@ def test_manager_guards_optimizer_over_many_steps(tmp_path):
     mgr.close()
 
 
+def test_manager_guards_accelerates_wrapped_optimizer_and_commits_what_it_acknowledged(
+        tmp_path):
+    """accelerate's AcceleratedOptimizer subclasses torch's Optimizer without its hooks: the
+    save used to raise AttributeError from `guard` while its background write went on and
+    committed. It is now guarded through the optimizer it wraps, from the start."""
+    from accelerate import Accelerator
+
+    torch.manual_seed(5)
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Linear(1024, 300))
+    model, opt = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    assert type(opt).__name__ == "AcceleratedOptimizer"
+    mgr = CheckpointManager(tmp_path / "run", async_save=True, staging="overlap",
+                            max_host_bytes=256 * 1024, chunk_bytes=128 * 1024)
+    state = {"model": model, "optim": opt}
+    snapshots = {}
+    for step in range(1, 7):
+        loss = model(torch.randn(16, 64)).square().mean()
+        opt.zero_grad()
+        accelerator.backward(loss)
+        opt.step()  # waits for the copies of the save before it (the inner optimizer's hook)
+        if step % 2 == 0:
+            snapshots[step] = _snapshot(model, opt.optimizer, {})
+            mgr.save(step, state)
+    mgr.wait()
+    assert not opt.optimizer._optimizer_step_pre_hooks
+    for step, snap in snapshots.items():
+        loaded = mgr.repo.load(mgr.name_of(step))
+        _equal(loaded["model"], snap["model"])
+        _equal(loaded["optim"]["state"], snap["optim"])
+    mgr.close()
+
+
+def test_an_optimizer_that_cannot_be_guarded_is_copied_at_call_and_a_failed_guard_commits_nothing(
+        tmp_path):
+    class Hookless(torch.optim.SGD):  # an Optimizer without torch's hook registry
+        def __init__(self, params):
+            super().__init__(params, lr=0.1)
+            del self._optimizer_step_pre_hooks
+
+    model = torch.nn.Linear(256, 256)
+    opt = Hookless(model.parameters())
+    mgr = CheckpointManager(tmp_path / "run", async_save=True, staging="overlap")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mgr.save(1, {"model": model, "optim": opt}).wait()  # its tensors are copied at the call
+    _equal(mgr.repo.load("step-1")["model"], before)
+    repo = mgr.repo
+    with pytest.raises(TypeError, match="cannot guard Hookless"):
+        repo.save_async("direct", {"w": model.weight}, staging="overlap", guard=[opt])
+    repo.wait()
+    assert not repo.exists("direct") and repo.names() == ["step-1"]
+    mgr.close()
+
+
 def _snapshot(model, opt, extra):
     return {"model": {k: v.clone() for k, v in model.state_dict().items()},
             "optim": {i: {k: v.clone() for k, v in s.items()}

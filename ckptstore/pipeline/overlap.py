@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..concurrency import BOOST_THREADS, Turns
-from ..errors import SourceChangedError
+from ..errors import SourceChangedError, UnsupportedTypeError
 from ..format.leaf import ArrayLeaf
 from ..stores.base import Store
 from ..stores.local import LocalStore
@@ -251,6 +251,24 @@ class Overlap:
             self.waited += seconds
 
 
+def guard_target(optimizer: Any) -> Any | None:
+    """The optimizer whose step pre-hooks run at every step that changes `optimizer`'s
+    tensors: `optimizer` itself when it keeps torch's hooks, else, for a wrapper
+    (accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer, DeepSpeed-style
+    wrappers), the optimizer it wraps (`.optimizer`, `._optimizer`), followed until one does.
+    None if there is none: such an optimizer cannot be guarded (its tensors must be copied
+    at call time)."""
+    seen: set[int] = set()
+    obj = optimizer
+    while obj is not None and id(obj) not in seen:
+        seen.add(id(obj))
+        if callable(getattr(obj, "register_step_pre_hook", None)) and isinstance(
+                getattr(obj, "_optimizer_step_pre_hooks", None), dict):
+            return obj
+        obj = getattr(obj, "optimizer", None) or getattr(obj, "_optimizer", None)
+    return None
+
+
 def optimizer_tensors(optimizer: Any) -> list[Any]:
     """Every tensor `optimizer.step()` may change: its parameters and their state tensors."""
     out: list[Any] = []
@@ -270,8 +288,14 @@ class Guard:
     the hooks would break that iteration)."""
 
     def __init__(self, overlap: Overlap, optimizer: Any) -> None:
+        target = guard_target(optimizer)
+        if target is None:
+            raise UnsupportedTypeError(
+                f"cannot guard {type(optimizer).__name__}: it has no step pre-hooks and wraps "
+                "no optimizer that has (copy its state at call time: copy_keys, or "
+                "staging='copy')")
         self.overlap = overlap
-        events = overlap.events_for(optimizer_tensors(optimizer))
+        events = overlap.events_for(optimizer_tensors(target))
 
         def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
             pending = [e for e in events if not e.is_set()]
@@ -285,7 +309,7 @@ class Guard:
                     e.wait()
             overlap.add_wait(time.perf_counter() - t0)
 
-        self._handle = optimizer.register_step_pre_hook(hook)
+        self._handle = target.register_step_pre_hook(hook)
 
     def remove(self) -> None:
         self._handle.remove()

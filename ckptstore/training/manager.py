@@ -50,7 +50,7 @@ from ..format.tree import flatten_arrays
 from ..layout import blob_key
 from ..maintenance import leases
 from ..pipeline.commit import Committer, LocalCommitter
-from ..pipeline.overlap import check_staging
+from ..pipeline.overlap import check_staging, guard_target
 from ..pipeline.writer import SaveInfo
 from ..repository import CheckpointStore, SaveHandle
 from ..stores.base import Store
@@ -171,13 +171,12 @@ class CheckpointManager:
         try:
             plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
             if self.async_save and self.staging == "overlap":
+                # guarded from the start: a save whose guard fails commits nothing
                 handle = self.repo.save_async(name, plain, meta, committer=committer,
                                               staging="overlap", tiers=tiers,
                                               max_host_bytes=self.max_host_bytes,
-                                              copy_keys=_unguarded_keys(state, plain))
-                for v in state.values():
-                    if isinstance(v, torch.optim.Optimizer):
-                        handle.guard(v)
+                                              copy_keys=_unguarded_keys(state, plain),
+                                              guard=[v for v in state.values() if _guarded(v)])
                 self._last = handle
                 return handle
             if self.async_save:
@@ -453,11 +452,18 @@ def _unguarded_keys(state: Mapping[str, Any], plain: Mapping[str, Any]) -> set[s
         if isinstance(v, torch.nn.Module):
             buffers = {f"{k}.{name}" for name, _b in v.named_buffers()}
             keys |= buffers & set(arrays)
-        elif not isinstance(v, torch.optim.Optimizer):
+        elif not _guarded(v):
             keys |= set(arrays)
         keys |= {key for key, a in arrays.items()
                  if getattr(a, "nbytes", 0) < COPY_AT_CALL_BYTES}
     return keys
+
+
+def _guarded(value: Any) -> bool:
+    """Whether an overlapped save guards `value` (an optimizer, or a wrapper of one such as
+    accelerate's AcceleratedOptimizer, whose steps run torch's step pre-hooks) rather than
+    copying its tensors at call time."""
+    return _is_stateful(value) and guard_target(value) is not None
 
 
 def _holds_shards(state: Any) -> bool:
