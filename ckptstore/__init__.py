@@ -35,6 +35,7 @@ from .errors import (
     SourceChangedError,
     StoreAccessError,
     StoreError,
+    UnrestorableCheckpointError,
     UnsupportedTypeError,
 )
 from .format.codecs import Codec
@@ -55,7 +56,8 @@ __all__ = [
     "ObjectExistsError", "ObjectInfo", "ObjectNotFoundError", "RNGState",
     "RepositoryNotFoundError", "Retention", "SaveHandle", "SaveInfo", "Shard",
     "SourceChangedError", "Store",
-    "StoreAccessError", "StoreError", "UnsupportedTypeError", "VerifyReport", "__version__",
+    "StoreAccessError", "StoreError", "UnrestorableCheckpointError", "UnsupportedTypeError",
+    "VerifyReport", "__version__",
     "open_store", "zarr_store",
 ]  # fmt: skip
 

@@ -81,6 +81,13 @@ class RepositoryNotFoundError(CkptStoreError, FileNotFoundError):
     """The location holds no ckptstore repository (and create=False was asked)."""
 
 
+class UnrestorableCheckpointError(CkptStoreError):
+    """Checkpoints exist, but none can be restored as asked: not whole on every rank, saved
+    by another number of ranks, or a rank left the restore. Nothing usable was loaded, and
+    every rank raises it (with the same message where the ranks could still agree). Starting
+    over instead is a decision: `CheckpointManager.restore(..., fresh_ok=True)`."""
+
+
 class KeyMismatchError(CkptStoreError, KeyError):
     """Requested keys are not in the checkpoint, or an `into=` destination does not fit."""
 

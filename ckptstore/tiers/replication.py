@@ -116,7 +116,9 @@ def fetch_verified(blob: str, sources: Sequence[Store], algorithm: HashAlgorithm
     raise IntegrityError(f"blob {blob} has no good copy: {'; '.join(problems)}")
 
 
-def _blob_sizes(manifest: Manifest) -> dict[str, int]:
+def blob_extents(manifest: Manifest) -> dict[str, int]:
+    """{blob: the bytes of it the manifest uses} (offset + size of its furthest chunk): a
+    copy of the blob shorter than that cannot serve the checkpoint."""
     sizes: dict[str, int] = {}
     for t in manifest.tensors:
         for c in t.chunks:
@@ -141,7 +143,7 @@ def replicate_checkpoint(name: str, sources: Sequence[Store], dst: Store,
             existing: bytes | None = dst.get(manifest_key(name))
         except ObjectNotFoundError:
             existing = None
-        sizes = _blob_sizes(manifest)
+        sizes = blob_extents(manifest)
         if existing is not None:
             if existing != raw:
                 raise CheckpointExistsError(f"checkpoint {name!r} exists in {dst.uri} with "

@@ -36,6 +36,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 from ..deps import missing
@@ -45,7 +46,13 @@ try:
 except ModuleNotFoundError as _exc:
     raise missing(_exc) from None
 
-from ..errors import CkptStoreError, FormatError, IntegrityError, KeyMismatchError
+from ..errors import (
+    CkptStoreError,
+    FormatError,
+    IntegrityError,
+    KeyMismatchError,
+    UnrestorableCheckpointError,
+)
 from ..format.tree import flatten_arrays
 from ..layout import blob_key
 from ..maintenance import leases
@@ -58,7 +65,7 @@ from ..tiers import config as tier_config
 from ..tiers import pending
 from ..tiers.far import TierUnreachableError
 from . import distributed as cdist
-from .peers import PeerMap, PeerReplicas, ranks_per_node
+from .peers import PeerMap, PeerReplicas, choose_steps, ranks_per_node
 from .retention import Retention, TieredRetention
 from .rng import RNGState
 
@@ -85,7 +92,8 @@ class CheckpointManager:
                  keep_every: int | None | Sequence[int | None] = None,
                  every: int | Sequence[int] = 1, async_save: bool = False,
                  staging: str = "copy", max_host_bytes: int | None = None,
-                 peer_replicas: int = 0, **repo_options: Any) -> None:
+                 peer_replicas: int = 0, peer_timeout: float = 300.0,
+                 **repo_options: Any) -> None:
         check_staging(staging, max_host_bytes)
         if type(peer_replicas) is not int or peer_replicas < 0:
             raise ValueError(f"peer_replicas must be a non-negative int, got {peer_replicas!r}")
@@ -117,7 +125,14 @@ class CheckpointManager:
         self._since: list[int] | None = None  # saves since each tier last received one
         self._doomed: list[set[str]] = [set() for _ in self.repo.tiers]  # blobs to sweep
         self.async_save = async_save
-        self.group = cdist.checkpoint_group() if self.distributed else None
+        if type(peer_timeout) not in (int, float) or not peer_timeout > 0:
+            raise ValueError(f"peer_timeout must be a positive number of seconds, got "
+                             f"{peer_timeout!r}")
+        # peer traffic waits at most peer_timeout for a rank (a dead or stuck one is then
+        # noticed instead of holding everyone for the default 10 minutes)
+        self.group = cdist.checkpoint_group(
+            timedelta(seconds=peer_timeout) if peer_replicas else timedelta(minutes=10)
+        ) if self.distributed else None
         self._last: SaveHandle | None = None
         #: peer mode: every rank saves its own checkpoint in its own tiers (training/peers.py)
         self.peers: PeerReplicas | None = None
@@ -125,6 +140,9 @@ class CheckpointManager:
             self.peers = PeerReplicas(self.repo, self.group, PeerMap(
                 torch.distributed.get_world_size(), ranks_per_node(), peer_replicas))
         self._peer_pending: tuple[str, SaveHandle | None] | None = None
+        #: names retention never deletes (peer copies as "<sender>/<name>"): the history a
+        #: deliberate fresh start found (restore(fresh_ok=True))
+        self._kept: set[str] = set()
 
     # ------------------------------------------------------------------ names
     @staticmethod
@@ -234,7 +252,9 @@ class CheckpointManager:
             copy = self.peers.copies_of(sender)
             steps = [int(m.group(1)) for n in copy.history() if (m := STEP_NAME.fullmatch(n))]
             drop = set(Retention(policy.keep_last, policy.keep_every).to_delete(steps))
-            self.peers.prune_copies(sender, {self.name_of(s) for s in steps if s not in drop})
+            keep = {self.name_of(s) for s in steps if s not in drop}
+            keep |= {n for n in copy.names() if f"{sender}/{n}" in self._kept}
+            self.peers.prune_copies(sender, keep)
         if error is not None:
             raise error
 
@@ -278,6 +298,8 @@ class CheckpointManager:
             try:
                 for step in self.tier_policy.to_delete(i, holdings, history, saved, waiting):
                     name = self.name_of(step)
+                    if name in self._kept:
+                        continue  # found by a deliberate fresh start: never deleted here
                     try:
                         self._doomed[i] |= tier.manifest(name).blob_digests()
                         if len(tiers) == 1:
@@ -311,9 +333,17 @@ class CheckpointManager:
             pass
 
     # ------------------------------------------------------------------ restore
-    def restore(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
+    def restore(self, state: Mapping[str, Any], step: int | None = None, *,
+                fresh_ok: bool = False) -> int | None:
         """Load the latest checkpoint (or `step`) into `state` in place and return its step;
         None if there is none. Collective under torch.distributed: rank 0 picks the step.
+
+        Peer mode (`peer_replicas`): the step every rank can obtain whole, saved by this
+        many ranks. If checkpoints exist but none qualifies (restarted on another number of
+        ranks; a rank lost its node, its peer's copy and its far tier), every rank raises
+        UnrestorableCheckpointError, saying why; `fresh_ok=True` returns None instead (a
+        decision to start over), and the checkpoints found are then never deleted by this
+        manager's retention.
 
         The latest is the newest whole checkpoint in commit order. On one process, if it turns
         out damaged while loading (a missing or corrupt blob), a warning names it and the one
@@ -322,7 +352,7 @@ class CheckpointManager:
         a crash must not wait for the far tier); chunks come from the nearest good copy."""
         if self.peers is not None:
             self._flush_peers()
-            return self._restore_with_peers(state, step)
+            return self._restore_with_peers(state, step, fresh_ok)
         last, self._last = self._last, None
         self.repo.wait()
         if last is not None:
@@ -347,35 +377,79 @@ class CheckpointManager:
                 step = older
         return None
 
-    def _restore_with_peers(self, state: Mapping[str, Any], step: int | None) -> int | None:
-        """Peer mode: the newest step in commit order every rank can obtain (its tiers or a
-        peer's copy); ranks whose tier 0 lacks it load it from the bytes a peer sent, then
-        write it to their tier 0 in the background; the others load their own."""
+    def _restore_with_peers(self, state: Mapping[str, Any], step: int | None,
+                            fresh_ok: bool) -> int | None:
+        """Peer mode: the newest step in commit order that every rank can obtain (its tiers
+        or a peer's whole copy) and that was saved by this many ranks (peers.choose_steps);
+        ranks whose tier 0 lacks it load it from the bytes a peer sent (or, when no peer
+        can, from their far tier), then write it to tier 0 in the background. Every rank
+        then reports its load; if one failed, every rank tries the next older step. So every
+        rank restores the same step whole, or every rank raises UnrestorableCheckpointError
+        (a rank that left is noticed within the peer timeout)."""
         assert self.peers is not None and self.group is not None
         self.repo.wait()
-        mine = {"own": _step_times(self.repo.created_times()), "held": {
-            str(s): _step_times(times) for s, times in self.peers.held_times().items()}}
-        views = cdist.all_gather_json(mine, self.group)
-        world = len(views)
-        available: list[set[int]] = [set() for _ in views]
-        when: dict[int, float] = {}  # step -> its newest commit time on any rank
-        for r, v in enumerate(views):
-            for owner, pairs in [(r, v["own"]), *((int(s), p) for s, p in v["held"].items())]:
-                for s, created in pairs:
-                    available[owner].add(s)
-                    when[s] = max(when.get(s, created), created)
-        common = set.intersection(*available) if world else set()
-        if step is None:  # the newest in commit order, as on one process (`latest_step`)
-            step = max(common, key=lambda s: (when[s], s)) if common else None
-        elif step not in common:
-            raise KeyMismatchError(f"step {step} cannot be restored on every rank")
-        if step is None:
+        world = torch.distributed.get_world_size()
+        mine = {"own": self._own_steps(), "held": {
+            str(s): [[int(m.group(1)), h.created, h.world] for h in held
+                     if (m := STEP_NAME.fullmatch(h.name))]
+            for s, held in self.peers.held_steps().items()}}
+        choice = choose_steps(self.peers.gather_views(mine), world)
+        candidates = choice.candidates
+        if step is not None:
+            if step not in candidates:
+                why = choice.reason or f"restorable steps: {candidates or 'none'}"
+                raise UnrestorableCheckpointError(f"step {step} cannot be restored on every "
+                                                  f"rank; {why}")
+            candidates = [step]
+        if not candidates:
+            if not choice.history:
+                return None  # a new job: nothing anywhere
+            if not fresh_ok:
+                raise UnrestorableCheckpointError(choice.reason)
+            warnings.warn(f"starting over as asked (fresh_ok=True): {choice.reason}",
+                          RuntimeWarning, stacklevel=3)
+            self._keep_history()
             return None
-        received = self.peers.fetch(self.name_of(step))
-        self._load_into(state, step, prefer=received)
-        if received is not None:  # tier 0 whole again, after the load (training/peers.py)
-            self.peers.persist(self.name_of(step), received)
-        return step
+        failures: list[str] = []
+        for s in candidates:
+            received = self.peers.fetch(self.name_of(s))
+            outcome: str | None = None
+            try:
+                self._load_into(state, s, prefer=received)
+            except Exception as exc:  # reported to every rank below, which all move on
+                outcome = f"{type(exc).__name__}: {exc}"
+            outcomes = self.peers.agree(outcome)
+            bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+            if not bad:
+                if received is not None:  # tier 0 whole again, after the load (peers.py)
+                    self.peers.persist(self.name_of(s), received)
+                return s
+            text = "; ".join(f"rank {r}: {o}" for r, o in bad)
+            failures.append(f"step {s}: {text}")
+            warnings.warn(f"step {s} could not be loaded on every rank ({text}); every rank "
+                          "tries the next older step", RuntimeWarning, stacklevel=3)
+        raise UnrestorableCheckpointError("no step could be loaded whole on every rank: "
+                                          + " | ".join(failures))
+
+    def _own_steps(self) -> list[list[Any]]:
+        """[step, created, world size saved with] of this rank's checkpoints that its tiers
+        hold with a readable manifest (peer mode)."""
+        out = []
+        for name, created in self.repo.created_times().items():
+            m = STEP_NAME.fullmatch(name)
+            manifest = self.repo.find_manifest(name) if m else None
+            if m and manifest is not None:
+                world = manifest.metadata.get("world_size")
+                out.append([int(m.group(1)), created, world if type(world) is int else None])
+        return out
+
+    def _keep_history(self) -> None:
+        """After a deliberate fresh start: every checkpoint this rank holds now (its own
+        and its peers' copies) is left out of retention for good."""
+        self._kept |= set(self.repo.names())
+        if self.peers is not None:
+            for sender in self.peers.map.held_by(self.rank):
+                self._kept |= {f"{sender}/{n}" for n in self.peers.copies_of(sender).names()}
 
     def _load_into(self, state: Mapping[str, Any], step: int,
                    prefer: Store | None = None) -> None:

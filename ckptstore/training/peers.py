@@ -40,11 +40,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CkptStoreError, IntegrityError, ObjectNotFoundError, StoreError
+from ..errors import (
+    CkptStoreError,
+    IntegrityError,
+    ObjectNotFoundError,
+    StoreError,
+    UnrestorableCheckpointError,
+)
 from ..format.manifest_parse import parse_manifest
 from ..layout import blob_key, manifest_key
 from ..repository import CheckpointStore
 from ..stores.base import Buffer, ObjectInfo, Store, check_range, short_read
+from ..tiers.replication import blob_extents
 from .distributed import all_gather_json
 
 #: blob bytes moved per round of point-to-point transfers (memory bound of an exchange)
@@ -129,8 +136,13 @@ class PeerReplicas:
             if h["ok"] and not copy.exists(name):
                 wants[str(sender)] = _missing(copy.store, sorted(h["blobs"]))
         all_wants = all_gather_json(wants, self.group)
-        received = self._transfer(headers, all_wants,
-                                  lambda sender: self._copies[sender].store)
+        try:
+            received = self._transfer(headers, all_wants,
+                                      lambda sender: self._copies[sender].store)
+        except (CkptStoreError, RuntimeError) as exc:  # this rank's save itself committed
+            warnings.warn(f"the peer copies of checkpoint {name!r} held by rank {self.rank} "
+                          f"were not stored: {exc}", RuntimeWarning, stacklevel=2)
+            return 0
         for sender, copy in self._copies.items():
             h = headers[sender]
             if h["ok"] and str(sender) in wants:
@@ -156,20 +168,44 @@ class PeerReplicas:
             copy.store.sync()
 
     # ------------------------------------------------------------------ restore side
-    def held_times(self) -> dict[int, dict[str, float]]:
-        """{sender rank: {name: creation time} of the copies this rank holds for it}."""
-        return {s: c.created_times() for s, c in self._copies.items()}
+    def held_steps(self) -> dict[int, list[Held]]:
+        """{sender rank: the copies this rank holds for it that are whole}: a manifest that
+        parses and every blob it references present at its size (a damaged or partial copy
+        is not offered, so that the restore takes another holder or the far tier)."""
+        out: dict[int, list[Held]] = {}
+        for sender, copy in self._copies.items():
+            out[sender] = [held for name in copy.names()
+                           if (held := _whole(copy, name)) is not None]
+        return out
+
+    def _gather(self, obj: Any, what: str) -> list[Any]:
+        """all_gather_json on the peer group; a rank that left or stopped answering (within
+        the group's timeout) is an UnrestorableCheckpointError."""
+        try:
+            return all_gather_json(obj, self.group)
+        except RuntimeError as exc:
+            raise UnrestorableCheckpointError(
+                f"the restore stopped while the ranks {what}: a rank left or did not answer "
+                f"within the peer timeout ({_short(exc)}); nothing usable was loaded") from exc
+
+    def agree(self, outcome: str | None) -> list[str | None]:
+        """Every rank's outcome of loading the chosen step (None: loaded whole)."""
+        return self._gather(outcome, "compared their loads")
+
+    def gather_views(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._gather(mine, "listed their checkpoints")
 
     def fetch(self, name: str) -> ReceivedBlobs | None:
         """Collective: every rank whose tier 0 lacks `name` gets it from the first holder of
-        its copy that has it: manifest and verified blobs, in memory (load from them, then
-        `persist`). None on a rank that needed nothing or that no peer could serve."""
+        its copy whose copy is whole: manifest and blobs, in memory (load from them, then
+        `persist`; the load verifies every chunk, and a bad one comes from the tiers). None
+        on a rank that needed nothing, that no peer could serve, or whose transfer failed
+        (a warning names the holder; the load then falls back to the far tier)."""
         self.settle()
         near = self.repo.tiers[0]
         need = not near.exists(name)
-        held = {s: c.exists(name) for s, c in self._copies.items()}
-        status = all_gather_json({"need": need, "held": {str(s): v for s, v in held.items()}},
-                                 self.group)
+        held = {str(s): _whole(c, name) is not None for s, c in self._copies.items()}
+        status = self._gather({"need": need, "held": held}, "looked for peer copies")
         source = {}
         for r, st in enumerate(status):
             if st["need"]:
@@ -180,25 +216,38 @@ class PeerReplicas:
         offer: dict[str, Any] = {}
         for r, h in source.items():
             if h == self.rank:
-                copy = self._copies[r]
-                raw = copy.store.get(manifest_key(name))
-                offer[str(r)] = {"manifest": raw.decode(),
-                                 "blobs": _sizes(copy.store, copy.manifest(name))}
-        offers = all_gather_json(offer, self.group)
+                try:
+                    copy = self._copies[r]
+                    raw = copy.store.get(manifest_key(name))
+                    offer[str(r)] = {"manifest": raw.decode(),
+                                     "blobs": _sizes(copy.store, copy.manifest(name))}
+                except CkptStoreError as exc:  # damaged since it was checked: no offer
+                    warnings.warn(f"rank {self.rank}'s copy of rank {r}'s checkpoint {name!r} "
+                                  f"cannot be sent: {exc}", RuntimeWarning, stacklevel=2)
+        offers = self._gather(offer, "offered peer copies")
         wants: dict[str, list[str]] = {}
-        mine = offers[source[self.rank]].get(str(self.rank)) if self.rank in source else None
-        bad: CkptStoreError | None = None
+        holder = source.get(self.rank)
+        mine = offers[holder].get(str(self.rank)) if holder is not None else None
         if mine is not None:
             try:
                 parse_manifest(mine["manifest"].encode(), name, self.repo.hash)
-                wants[str(source[self.rank])] = _missing(near.store, sorted(mine["blobs"]))
-            except CkptStoreError as exc:  # raised after the collectives: nobody waits
-                bad, mine = exc, None
-        all_wants = all_gather_json(wants, self.group)
-        received = ReceivedBlobs(f"peer://rank-{source.get(self.rank, -1)}/for-{self.rank}")
-        self._transfer_fetch(offers, all_wants, received)
-        if bad is not None:
-            raise bad
+                wants[str(holder)] = _missing(near.store, sorted(mine["blobs"]))
+            except CkptStoreError as exc:
+                warnings.warn(f"the copy of checkpoint {name!r} offered by rank {holder} is "
+                              f"damaged ({exc}); loading from this rank's own tiers",
+                              RuntimeWarning, stacklevel=2)
+                mine = None
+        all_wants = self._gather(wants, "asked for peer blobs")
+        received = ReceivedBlobs(f"peer://rank-{holder if holder is not None else -1}"
+                                 f"/for-{self.rank}")
+        try:
+            self._transfer_fetch(offers, all_wants, received)
+        except (CkptStoreError, RuntimeError) as exc:
+            who = f"rank {holder}" if mine is not None else "a peer"
+            warnings.warn(f"receiving checkpoint {name!r} from {who} failed or timed out "
+                          f"({_short(exc)}); loading from this rank's own tiers",
+                          RuntimeWarning, stacklevel=2)
+            return None
         if mine is None:
             return None
         received.create(manifest_key(name), mine["manifest"].encode())
@@ -317,8 +366,7 @@ class PeerReplicas:
                 ops.append(dist.P2POp(dist.irecv, buf, sender, self.group))
         if reads:  # straight into the send tensors, in parallel
             with cf.ThreadPoolExecutor(8, thread_name_prefix="ckpt-peer-read") as pool:
-                list(pool.map(lambda r: r[0].read_into(blob_key(r[1]), 0, r[2].numpy().data),
-                              reads))
+                list(pool.map(_read_or_zeros, reads))
         works = dist.batch_isend_irecv(ops) if ops else []
         return _Round(works, inbound, outbound)
 
@@ -398,6 +446,103 @@ class ReceivedBlobs(Store):
 
     def delete(self, key: str) -> None:
         raise StoreError(f"{self.uri} is read-only")
+
+
+@dataclass(frozen=True)
+class RestoreChoice:
+    """What a peer-mode restore may load (`choose_steps`), the same on every rank."""
+
+    candidates: list[int]  # whole on every rank and saved by this world size, newest first
+    reason: str  # why there is no candidate ("" when there is one)
+    history: bool  # some rank can obtain some checkpoint
+
+
+def choose_steps(views: list[dict[str, Any]], world: int) -> RestoreChoice:
+    """The steps every rank can restore. `views[r]` is rank r's report: `own`, the
+    [step, created, world size saved with] it can read from its own tiers, and `held`,
+    {sender rank: the same for the whole copies it holds for that rank}. A step qualifies
+    if every rank can obtain it (its own tiers or a holder's whole copy) and it was saved by
+    `world` ranks (peer-mode checkpoints are per rank: another number of ranks cannot use
+    them). Candidates are ordered newest first in commit order (the newest `created` of any
+    copy), as `latest_step()` on one process."""
+    obtainable: list[dict[int, int | None]] = [{} for _ in range(world)]
+    when: dict[int, float] = {}
+    for r, view in enumerate(views):
+        reports = [(r, view["own"])] + [(int(s), held) for s, held in view["held"].items()]
+        for owner, entries in reports:
+            for step, created, saved_by in entries:
+                if 0 <= owner < world:
+                    obtainable[owner].setdefault(step, saved_by)
+                when[step] = max(when.get(step, created), created)
+    history = any(obtainable)
+    common = set.intersection(*(set(o) for o in obtainable)) if world else set()
+    fits = {s for s in common if all(o[s] in (None, world) for o in obtainable)}
+    candidates = sorted(fits, key=lambda s: (when[s], s), reverse=True)
+    if candidates or not history:
+        return RestoreChoice(candidates, "", history)
+    problems = []
+    saved = sorted({w for o in obtainable for w in o.values() if w not in (None, world)})
+    if saved:
+        problems.append(f"the checkpoints found were saved by {', '.join(map(str, saved))} "
+                        f"rank(s) and this job has {world} (peer-mode checkpoints are per "
+                        "rank: restart with that many ranks)")
+    empty = [r for r, o in enumerate(obtainable) if not o]
+    if empty:
+        problems.append(f"rank(s) {', '.join(map(str, empty))} can obtain no checkpoint from "
+                        "their own tiers or a peer's copy")
+    if not problems:
+        problems.append("no step is whole on every rank (" + "; ".join(
+            f"rank {r}: {sorted(o) or 'none'}" for r, o in enumerate(obtainable)) + ")")
+    newest = sorted(when, key=lambda s: (when[s], s))[-3:]
+    reason = (f"checkpoints exist (newest: steps {', '.join(map(str, newest))}) but none can "
+              f"be restored on all {world} ranks: {'; '.join(problems)}. Nothing was loaded. "
+              "To start over instead, call restore(..., fresh_ok=True): the old checkpoints "
+              "are then kept, never deleted by retention")
+    return RestoreChoice([], reason, history)
+
+
+def _read_or_zeros(read: tuple[Store, str, torch.Tensor]) -> None:
+    """Read a blob into its send tensor; one that cannot be read is sent as zeros (the
+    receiver verifies every blob, and falls back where it does not match), so that the
+    transfer the other rank waits for still happens."""
+    store, digest, out = read
+    try:
+        store.read_into(blob_key(digest), 0, out.numpy().data)
+    except CkptStoreError as exc:
+        out.zero_()
+        warnings.warn(f"blob {digest} could not be read for a peer ({exc}); sent as zeros, "
+                      "which the receiver rejects", RuntimeWarning, stacklevel=2)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A checkpoint a rank can restore: its step name, commit time and the world size it
+    was saved with (from its metadata; None if it does not say)."""
+
+    name: str
+    created: float
+    world: int | None
+
+
+def _whole(repo: CheckpointStore, name: str) -> Held | None:
+    """`name` in `repo` if its manifest parses and every blob it references is there at its
+    size (stat only: no blob is read), else None."""
+    manifest = repo.find_manifest(name)
+    if manifest is None:
+        return None
+    try:
+        sizes = _sizes(repo.store, manifest)
+    except CkptStoreError:
+        return None
+    if any(sizes.get(b, -1) < n for b, n in blob_extents(manifest).items()):
+        return None
+    world = manifest.metadata.get("world_size")
+    return Held(name, manifest.created, world if type(world) is int else None)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _sizes(store: Store, manifest: Any) -> dict[str, int]:
