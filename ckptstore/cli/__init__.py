@@ -186,10 +186,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "shards with model.safetensors.index.json")
     p.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                    help="largest safetensors shard (default 5GB; GB = 10^9, GiB = 2^30)")
-    p.add_argument("--keys", metavar="GLOB", action="append", help="only these keys")
+    p.add_argument("--keys", metavar="GLOB", action="append",
+                   help="only these keys; one plain name of a subtree (--keys model) exports "
+                        "its keys relative to it (model.x -> x)")
+    p.add_argument("--strip-prefix", metavar="PREFIX",
+                   help="export only the keys below PREFIX, named relative to it")
+    p.add_argument("--keep-prefix", action="store_true",
+                   help="with --keys NAME, keep the full keys (model.x)")
+    p.add_argument("--hf-config", metavar="PATH",
+                   help="(safetensors folder) a Hugging Face config.json or its folder: "
+                        "copied into OUT, and the keys checked against that model")
+    p.add_argument("--hf-model", metavar="CLASS",
+                   help="the transformers model class (default: the config's architectures)")
+    p.add_argument("--keep-tied", action="store_true",
+                   help="(safetensors folder) write tied tensors as copies, not once")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
-    p = add("import", "save a .safetensors file, torch file or DCP directory as a checkpoint")
+    p = add("import", "save a safetensors file or Hugging Face folder, torch file or DCP "
+                      "directory as a checkpoint")
     p.add_argument("uri", metavar="URI")
     p.add_argument("name", metavar="NAME")
     p.add_argument("source", metavar="IN")
@@ -201,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-pickle", action="store_true",
                    help="allow reading a DCP directory, whose .metadata is a pickle that can "
                         "run code: only for sources you trust")
+    p.add_argument("--prefix", metavar="NAME",
+                   help="store everything below this dotted key (model: {\"model\": state})")
+    p.add_argument("--hf-config", metavar="PATH",
+                   help="(safetensors) the model's config.json, to tie again the tied weights "
+                        "the files leave out (default: config.json in the folder imported)")
+    p.add_argument("--hf-model", metavar="CLASS",
+                   help="the transformers model class (default: the config's architectures)")
     from .tiers import add_replicate_parser
 
     add_replicate_parser(add)

@@ -489,12 +489,17 @@ def cmd_cp(args: argparse.Namespace, out: Output) -> int:
 
 # --------------------------------------------------------------------------- export / import
 def cmd_export(args: argparse.Namespace, out: Output) -> int:
+    import warnings
+
     from ..tools import exports, interop
 
     fmt = interop.export_format(args.out, args.format)  # fail before opening or loading
+    if args.keep_prefix and args.strip_prefix is not None:
+        raise UsageError("--keep-prefix and --strip-prefix contradict each other")
     exports.check_target(args.out, args.force)
     with open_repo(args.uri, args) as repo:
         keys = None
+        strip = args.strip_prefix
         if args.keys:
             m = repo.manifest(args.name)
             match = inspection.key_matcher(args.keys)
@@ -502,14 +507,23 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
             if not keys:
                 raise CheckpointNotFoundError(
                     f"checkpoint {m.name!r} has no keys matching {', '.join(args.keys)}")
-        with out.progress(f"exporting to {redact_uri(args.out)}", unit="steps"):
+            if strip is None and not args.keep_prefix:
+                strip = exports.subtree_prefix(args.keys, keys)
+        with out.progress(f"exporting to {redact_uri(args.out)}", unit="steps"), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore", interop.ExportWarning)  # printed below, once
             report = interop.export_checkpoint(repo, args.name, args.out, fmt=fmt, keys=keys,
                                                overwrite=args.force,
-                                               max_shard_bytes=args.max_shard_size)
+                                               max_shard_bytes=args.max_shard_size,
+                                               strip_prefix=strip, hf_config=args.hf_config,
+                                               hf_model=args.hf_model,
+                                               keep_tied=args.keep_tied)
         doc = {"uri": repo.uri, "name": report.name, "out": redact_uri(report.out),
                "format": report.format, "tensors": report.tensors, "bytes": report.bytes,
                "files": report.files, "skipped": report.skipped,
-               "converted": report.converted, "seconds": round(report.seconds, 3)}
+               "converted": report.converted, "strip_prefix": report.strip_prefix,
+               "tied": report.tied, "warnings": report.warnings,
+               "seconds": round(report.seconds, 3)}
 
         def render(console: Any) -> None:
             files = f" in {report.files} shard file(s) + index" if report.files > 1 else ""
@@ -518,9 +532,19 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
                           f"in {human_duration(report.seconds)}")
 
         out.emit(doc, render)
+        if report.strip_prefix is not None:
+            out.note(f"note: keys are relative to {report.strip_prefix!r} "
+                     f"({report.strip_prefix}.x -> x)")
+        if report.tied:
+            out.note(f"note: {len(report.tied)} tied tensor(s) written once, as save_pretrained "
+                     "does: " + _list([f"{k} = {v}" for k, v in report.tied.items()]))
         if report.skipped:
             out.note(f"note: {len(report.skipped)} non-tensor value(s) not representable in "
                      f"{report.format} were left out: {_list(report.skipped)}")
+        for text in report.notes:
+            out.note(f"note: {text}")
+        for text in report.warnings:
+            out.note(f"WARNING: {text}")
         return EXIT_OK
 
 
@@ -548,11 +572,15 @@ def cmd_import(args: argparse.Namespace, out: Output) -> int:
         with out.progress(f"importing {redact_uri(args.source)}", unit="steps"):
             report = interop.import_checkpoint(repo, args.name, args.source, fmt=fmt,
                                                metadata=metadata, trust_pickle=args.trust_pickle,
-                                               compression=compression)
+                                               compression=compression, prefix=args.prefix,
+                                               hf_config=args.hf_config,
+                                               hf_model=args.hf_model)
         doc = {"uri": repo.uri, "name": report.name, "source": redact_uri(report.source),
-               "format": report.format, "tensors": report.tensors,
+               "format": report.format, "tensors": report.tensors, "files": report.files,
                "logical_bytes": report.logical_bytes, "written_bytes": report.written_bytes,
-               "reused_bytes": report.reused_bytes, "seconds": round(report.seconds, 3)}
+               "reused_bytes": report.reused_bytes, "tied": report.tied,
+               "restored_int_keys": report.restored_int_keys,
+               "seconds": round(report.seconds, 3)}
 
         def render(console: Any) -> None:
             line(console, f"imported {doc['source']} ({report.format}) as {report.name}: "
@@ -561,6 +589,11 @@ def cmd_import(args: argparse.Namespace, out: Output) -> int:
                           f"{human_bytes(report.reused_bytes)} in {human_duration(report.seconds)}")
 
         out.emit(doc, render)
+        if report.tied:
+            out.note(f"note: {len(report.tied)} tied key(s) the files leave out were tied "
+                     "again: " + _list([f"{k} = {v}" for k, v in report.tied.items()]))
+        for text in report.notes:
+            out.note(f"note: {text}")
         return EXIT_OK
 
 
