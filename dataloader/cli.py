@@ -2,14 +2,15 @@
 
     ckpt-data convert SRC DEST [--format F] [--workers N] ...   SRC: a file or a folder
     ckpt-data info URI [--json]                                 the dataset's summary
-    ckpt-data verify URI [--json]                               read and check every chunk
+    ckpt-data verify URI [--json]                               check every object readers use
 
 Source formats (`--format`, default auto): jsonl, parquet, numpy (.npy/.npz), files (a folder,
-one file = one sample), webdataset (tar shards), hf (a Hugging Face dataset saved to disk);
+one file = one sample), webdataset (tar shards), hf (a Hugging Face dataset saved to disk, a
+load_dataset cache folder or an .arrow file);
 see dataloader.sources. DEST: a folder, file://, memory:// or s3:// URI.
 
 Conventions shared with `ckpt`: errors are one line on stderr starting with 'ckpt-data:', exit
-codes 0 ok, 1 verify found bad or missing chunks, 2 error (bad arguments, bad input, missing
+codes 0 ok, 1 verify found bad or missing objects, 2 error (bad arguments, bad input, missing
 dataset, unreachable store), 130 interrupted; sizes in binary units (KiB, MiB); progress bars
 on stderr only when it is a terminal; `--version`.
 """
@@ -27,6 +28,7 @@ from ckptstore.cli.args import positive_int
 from ckptstore.cli.exits import EXIT_ERROR, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_OK, one_line
 from ckptstore.cli.output import human_bytes
 from ckptstore.errors import CkptStoreError, IntegrityError
+from ckptstore.redact import redact_text
 from ckptstore.stores import open_store
 
 from .errors import MissingShardError
@@ -119,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the summary as one JSON document")
     p = _Parser(prog=PROG, description="Convert files into datasets for the dataloader; "
                 "inspect and verify them. DEST/URI: a folder, file://, memory:// or s3://.",
-                epilog="Exit codes: 0 ok, 1 verify found bad chunks, 2 error, 130 interrupted.")
+                epilog="Exit codes: 0 ok, 1 verify found bad or missing objects, 2 error, 130"
+                       " interrupted.")
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
     c = sub.add_parser("convert", parents=[common], help="convert files into a dataset",
@@ -130,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="source format (default: detected from the file names; npy = numpy)")
     c.add_argument("--field", default="data", metavar="NAME",
                    help="field of each .npy file's array (default: data)")
-    c.add_argument("--split", metavar="NAME", help="the split of a saved Hugging Face DatasetDict")
+    c.add_argument("--split", metavar="NAME",
+                   help="the split of a Hugging Face DatasetDict or load_dataset cache")
     c.add_argument("--schema", action="append", default=[], metavar="FIELD=KIND",
                    help="declare a field's kind: scalar, fixed, ragged, bytes, str (repeatable)")
     c.add_argument("--rows-per-chunk", type=positive_int, metavar="N",
@@ -143,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace a dataset at DEST (it is removed before the new one is written)")
     c.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
     for name, help_ in (("info", "print a dataset's summary"),
-                        ("verify", "read every chunk and check it against its digest")):
+                        ("verify", "check every chunk, shard index and zarr.json against"
+                                   " dataset.json")):
         q = sub.add_parser(name, parents=[common], help=help_, description=help_)
         q.add_argument("uri", metavar="URI")
         if name == "verify":
@@ -239,21 +244,43 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
         store.close()
 
 
-def verify(ds: Any, show: bool) -> None:
-    """Read every block of `ds` (chunk digests are checked as they are read)."""
-    from .pipeline import Executors
+def verify(args: argparse.Namespace) -> int:
+    """The `verify` command: every object a zarr reader or ours uses, checked against
+    dataset.json (dataloader/verify.py); each problem is one line on stderr. Exit 1 if any."""
+    from .verify import verify_dataset
 
-    n = ds.index.num_blocks
-    ex = Executors(4)
+    show = not (args.no_progress or args.json)
+    store = open_store(args.uri, **_store_opts(args))
     try:
-        groups = counted(range(0, n, 16), "verifying", -(-n // 16), show)
-        for b0 in groups:
-            ds.reader.load_blocks(list(range(b0, min(b0 + 16, n))), ex.io)
+        report = verify_dataset(
+            store, progress=lambda total: progress_bar("verifying shards", total, show))
     finally:
-        ex.shutdown()
+        store.close()
+    s = summary(report.index, args.uri) if report.index is not None else {"uri": args.uri}
+    s["verified"] = report.ok
+    s["checked"] = {"shards": report.shards, "chunks": report.chunks,
+                    "bytes_read": report.bytes_read}
+    if not report.ok:
+        s["problems"] = report.problems
+        s["problem_count"] = report.total_problems
+    if args.json:
+        print(json.dumps(s, indent=2))
+    elif report.index is not None:
+        _print_summary(s)
+        if report.ok:
+            print(f"verified     {report.shards:,} shards and {report.chunks:,} chunks, their "
+                  "shard indexes and every zarr.json match dataset.json")
+    for problem in report.problems:
+        sys.stderr.write(f"{PROG}: verify failed: {redact_text(' '.join(problem.split()))}\n")
+    if report.total_problems > len(report.problems):
+        sys.stderr.write(f"{PROG}: verify failed: {report.total_problems - len(report.problems):,}"
+                         " more problems not listed\n")
+    return EXIT_OK if report.ok else EXIT_FOUND
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.cmd == "verify":
+        return verify(args)
     if args.cmd == "convert":
         s = convert(args)
     else:
@@ -261,15 +288,10 @@ def _run(args: argparse.Namespace) -> int:
 
         ds = StreamingDataset(args.uri, store_options=_store_opts(args))
         s = summary(ds.index, args.uri)
-        if args.cmd == "verify":
-            verify(ds, not (args.no_progress or args.json))
-            s["verified"] = True
     if args.json:
         print(json.dumps(s, indent=2))
     else:
         _print_summary(s)
-        if s.get("verified"):
-            print("verified     every chunk matches its digest")
     return EXIT_OK
 
 

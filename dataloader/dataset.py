@@ -5,12 +5,21 @@ under torch's DataLoader (IterableDataset protocol: one sample dict at a time). 
 DataLoader with worker processes, give the dataset the DataLoader's `num_workers` and
 `batch_size`: each worker then reads only the windows it serves, and the order torch's
 round-robin delivers is fixed by those two numbers (lanes.py), so states stay exact.
+
+Epochs: a pass that delivered all its items is complete, whether or not the consumer drew
+StopIteration (Lightning and torch's DataLoader stop after `len()` batches); the next pass
+then reads the next epoch. `len()` is always the length of a whole epoch for this rank, also
+after a resume mid-epoch (the resumed pass is shorter and ends with StopIteration). Under
+torch's DataLoader *with worker processes* the passes run in copies of the dataset, so the
+object in the main process cannot see them end: call `set_epoch(epoch)` before each epoch
+there (persistent workers, which would keep serving a stale copy, are refused).
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import os
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -77,10 +86,22 @@ def register_with_torch() -> bool:
     return True
 
 
-def _torch_worker() -> tuple[int, int]:
+def _torch_worker_info() -> Any:
+    """torch's WorkerInfo in a DataLoader worker process, else None."""
     data = sys.modules.get("torch.utils.data")
-    info = data.get_worker_info() if data is not None else None
-    return (info.id, info.num_workers) if info is not None else (0, 1)
+    return data.get_worker_info() if data is not None else None
+
+
+class _Pass:
+    """One direct pass (iteration of the dataset itself): where it started, how many items it
+    delivers in all (`left`), how many it has delivered (`count`)."""
+
+    def __init__(self, progress: Progress, left: int) -> None:
+        self.progress, self.left, self.count = progress, left, 0
+
+    @property
+    def complete(self) -> bool:
+        return self.count >= self.left
 
 
 class _BlockLRU:
@@ -224,7 +245,8 @@ class StreamingDataset:
         self._epoch = 0
         self._resume: Progress | None = None
         self._orders: dict[int, Any] = {}
-        self._direct: tuple[Progress, int] | None = None
+        self._direct: _Pass | None = None  # the last direct pass in this process
+        self._worker_pid: int | None = None  # the torch worker process that iterated this copy
         self._random_blocks: dict[int, Any] = {}  # ds[i]: a few decoded blocks, LRU
         self._random_lock = threading.Lock()
         register_with_torch()
@@ -252,10 +274,25 @@ class StreamingDataset:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next pass reads (a loaded state for another epoch is dropped)."""
+        """Select the epoch the next pass reads (a loaded state for another epoch is dropped).
+        Optional where the passes run in this object (iterated directly, by StreamingLoader or
+        by a DataLoader without worker processes): a complete pass moves to the next epoch by
+        itself. Required before each epoch under a DataLoader with worker processes."""
         self._epoch = check_int(epoch, "epoch", 0, INT64_MAX, ValueError)
+        self._direct = None  # an explicit epoch wins over "the pass after a complete one"
         if self._resume is not None and self._resume.epoch != epoch:
             self._resume = None
+
+    def _next_epoch(self) -> int:
+        """The epoch the next direct pass reads: the next one after a complete pass."""
+        d = self._direct
+        return self._epoch + 1 if d is not None and d.complete else self._epoch
+
+    def epoch_items(self, epoch: int) -> int:
+        """Items this rank delivers in a whole pass of `epoch` (what `len()` reports)."""
+        rank, world = self.topology()
+        total = self.epoch_order(epoch).total
+        return rank_plan(total, np.zeros((0, 2), np.int64), world, rank, self.balance).total
 
     def topology(self) -> tuple[int, int]:
         if self._world is not None:
@@ -282,7 +319,7 @@ class StreamingDataset:
         if order is None and self.full_shuffle:
             rows = int(self.index.rows_per_chunk) * self.window_blocks
             order = FullOrder(self.seed, epoch, self.index.num_samples, rows)
-            self._orders = {epoch: order}
+            self._keep_order(epoch, order)
         if order is None:
             order = EpochOrder.build(
                 self.index.block_rows(),
@@ -292,8 +329,15 @@ class StreamingDataset:
                 window_blocks=self.window_blocks,
                 items_per_window=self._items_fn(),
             )
-            self._orders = {epoch: order}
+            self._keep_order(epoch, order)
         return order
+
+    def _keep_order(self, epoch: int, order: Any) -> None:
+        """Cache the two most recent epochs' orders (a pass's and the next one's, which
+        `len()` asks for after a complete pass), no more: each can be large."""
+        self._orders[epoch] = order
+        while len(self._orders) > 2:
+            self._orders.pop(next(iter(self._orders)))
 
     def _items_fn(self) -> Any:
         """Items per window, given the windows' block ids (None: one item per sample)."""
@@ -366,6 +410,8 @@ class StreamingDataset:
     def peek_progress(self) -> Progress:
         """Where the next pass would start (without consuming a loaded state)."""
         rank, world = self.topology()
+        if self._next_epoch() != self._epoch:
+            return fresh(self._next_epoch(), world, self.balance)
         r = self._resume
         if r is not None and r.epoch == self._epoch:
             if r.world_size == world and r.balance == self.balance:
@@ -410,15 +456,25 @@ class StreamingDataset:
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """State after the consumer has seen `consumed` items of the current pass (default:
-        the number this object yielded itself when iterated directly)."""
-        if self._direct is not None:
-            progress, own = self._direct
-            n = own if consumed is None else consumed
-            return self.make_state(progress.with_consumed(progress.consumed + n))
+        the number this object yielded itself when iterated directly). A position at the end
+        of the epoch (every rank's items consumed) is the start of the next epoch."""
+        d = self._direct
+        if d is not None and not d.complete:
+            n = d.count if consumed is None else consumed
+            return self.make_state(self._settled(d.progress.with_consumed(d.progress.consumed + n)))
         progress = self.peek_progress()
         if consumed:
             progress = progress.with_consumed(progress.consumed + consumed)
-        return self.make_state(progress)
+        return self.make_state(self._settled(progress))
+
+    def _settled(self, progress: Progress) -> Progress:
+        """`progress`, or the next epoch's start once every rank's items are consumed (rank 0
+        has the largest share): a resume then reads the next epoch, not an empty pass."""
+        total = self.epoch_order(progress.epoch).total
+        share = rank_plan(total, progress.base, progress.world_size, 0, progress.balance).total
+        if progress.consumed >= share:
+            return fresh(progress.epoch + 1, progress.world_size, progress.balance)
+        return progress
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a state of this dataset (any rank's; ranks run in lockstep). Raises
@@ -445,7 +501,14 @@ class StreamingDataset:
 
     # -- IterableDataset protocol ----------------------------------------------------------
     def __len__(self) -> int:
-        """Items this rank delivers in the next pass (all of the epoch's items on one rank)."""
+        """Items this rank delivers in a whole epoch (all of the epoch's items on one rank):
+        the epoch in progress, or the next after a complete pass. A pass resumed mid-epoch
+        delivers fewer (`remaining()`); `len()` stays the epoch's length, which Lightning and
+        torch's DataLoader take as the length of every epoch."""
+        return self.epoch_items(self._next_epoch())
+
+    def remaining(self) -> int:
+        """Items this rank delivers in the next pass (fewer than `len()` after a resume)."""
         return self.pieces(self.peek_progress())[2]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
@@ -471,26 +534,40 @@ class StreamingDataset:
         return PlainView(self.fields, [b], [block], self._block_starts, local).sample(0)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        wid, nw = _torch_worker()
+        """One pass, sample by sample: the epoch after a complete pass, else the current one
+        (from a loaded state, if any). In torch worker processes, this worker's share."""
+        info = _torch_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:
+            if self._worker_pid == os.getpid():
+                raise ValueError(
+                    "this dataset is iterated again in the same torch DataLoader worker process"
+                    " (persistent_workers=True): the main process's set_epoch and"
+                    " load_state_dict cannot reach a persistent worker's copy, so its epochs"
+                    " would go wrong; use persistent_workers=False"
+                )
+            self._worker_pid = os.getpid()
         if nw > 1 and nw != self.num_workers:
             raise ValueError(
                 f"this dataset runs in torch DataLoader worker processes ({nw}): create it with"
                 f" num_workers={nw} and batch_size=<the DataLoader's>, so that its states"
                 " describe the order the workers deliver"
             )
+        if self._next_epoch() != self._epoch:
+            self.set_epoch(self._next_epoch())
         progress = self.begin(self._epoch)
         if self.num_workers > 1:
             order, pieces = self._lane_pieces(progress, wid, nw)
         else:
             order, pieces, _ = self.pieces(progress)
-        self._direct = (progress, 0)
+        # counted before each yield: the pass is complete when its last item is handed out
+        this = _Pass(progress, sum(p.stop - p.start for p in pieces))
+        self._direct = this
         windows = dataset_windows(self, order, pieces, self.io_threads, self.prefetch_bytes)
         with closing(windows) as views:
-            count = 0
             for piece, view in views:
                 for i in range(piece.start, piece.stop):
                     sample = view.sample(i)
-                    count += 1
-                    self._direct = (progress, count)
+                    this.count += 1
                     yield sample
 

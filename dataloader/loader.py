@@ -8,8 +8,14 @@ neither does the state. `num_workers=0` runs everything in the consumer's thread
 State semantics: `state_dict()` describes the position after the batches already *returned*
 to the caller. Loading it and iterating continues with exactly the next item. One rank's
 state is enough for every rank (ranks run in lockstep: same batch size, same number of steps).
-A new `iter()` after a finished pass moves to the next epoch; after an unfinished one it
-restarts the pass from its starting point (like torch's DataLoader).
+
+Epochs: a pass is complete once it has returned all its items, whether or not the consumer
+then drew StopIteration (Lightning stops after `len(loader)` batches). A new `iter()` after a
+complete pass moves to the next epoch (and reshuffles); after an unfinished one it restarts
+the pass from its starting point (like torch's DataLoader). `len()` is the number of batches
+of a whole epoch, also after `load_state_dict` mid-epoch (the resumed pass is shorter and ends
+with StopIteration), because Lightning takes `len()` once as the length of every epoch.
+`set_epoch` is optional; the loader has no `sampler`, so Lightning never calls it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,18 @@ from .metrics import Metrics
 from .pipeline import BackgroundIterator, dataset_windows, iter_batches, timed_batches
 from .state import Progress, fresh
 from .views import Batch, batch_len
+
+
+class _Pass:
+    """One pass: its start, the items it returns in all (`expected`), those returned so far
+    (`count`), and whether it ran to StopIteration (`ended`)."""
+
+    def __init__(self, progress: Progress, expected: int) -> None:
+        self.progress, self.expected, self.count, self.ended = progress, expected, 0, False
+
+    @property
+    def complete(self) -> bool:
+        return self.ended or self.count >= self.expected
 
 
 class StreamingLoader:
@@ -59,36 +77,38 @@ class StreamingLoader:
         self.drop_last = bool(drop_last)
         self._collate = resolve(collate)
         self.metrics: Metrics = dataset.metrics
-        self._progress: Progress | None = None
-        self._delivered = 0
-        self._finished = False
+        self._pass: _Pass | None = None  # the current (or last) pass
         self._active: Any = None
         self._lock = threading.Lock()
 
     # -- epochs ------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
+        """Make the next pass read `epoch` (optional: a complete pass advances by itself)."""
         self.dataset.set_epoch(epoch)
-        self._finished = False
-        self._progress = None
+        self._pass = None
 
     @property
     def epoch(self) -> int:
         return self.dataset.epoch
 
+    def _complete(self) -> bool:
+        return self._pass is not None and self._pass.complete
+
     def __len__(self) -> int:
-        n = len(self.dataset)
+        """Batches of a whole epoch (the current one, or the next after a complete pass)."""
+        n = self.dataset.epoch_items(self.epoch + 1 if self._complete() else self.epoch)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         ds = self.dataset
         self.close()
-        if self._finished:
+        if self._complete():
             ds.set_epoch(ds.epoch + 1)
-            self._finished = False
         progress = ds.begin(ds.epoch)
-        order, pieces, _ = ds.pieces(progress)
-        self._progress, self._delivered = progress, 0
+        order, pieces, left = ds.pieces(progress)
+        this = _Pass(progress, left - left % self.batch_size if self.drop_last else left)
+        self._pass = this
         nw, budget = self.num_workers, self.prefetch_bytes
 
         def produce(stop: threading.Event | None) -> Iterator[Batch]:
@@ -101,9 +121,10 @@ class StreamingLoader:
         self._active = source
         try:
             for batch in timed_batches(source, self.metrics, batch_len):
-                self._delivered += batch_len(batch)
+                # counted before the yield: returning the last batch completes the pass
+                this.count += batch_len(batch)
                 yield self._collate(ds.finish_batch(batch))
-            self._finished = True
+            this.ended = True
         finally:
             if hasattr(source, "close"):
                 source.close()
@@ -120,11 +141,12 @@ class StreamingLoader:
     def state_dict(self) -> dict[str, Any]:
         """Small JSON-able state: the position after the batches returned so far."""
         ds = self.dataset
-        if self._finished:
+        p = self._pass
+        if p is not None and p.complete:
             _, world = ds.topology()
             progress = fresh(ds.epoch + 1, world, ds.balance)
-        elif self._progress is not None:
-            progress = self._progress.with_consumed(self._progress.consumed + self._delivered)
+        elif p is not None:
+            progress = p.progress.with_consumed(p.progress.consumed + p.count)
         else:
             progress = ds.peek_progress()
         return ds.make_state(progress, kind="loader", batch_size=self.batch_size)
@@ -133,9 +155,7 @@ class StreamingLoader:
         """Resume from `state` (refused with StateMismatchError if it is another dataset's)."""
         self.close()
         self.dataset.load_state_dict(state)
-        self._progress = None
-        self._delivered = 0
-        self._finished = False
+        self._pass = None
 
     def stats(self) -> dict[str, Any]:
         """Metrics snapshot: samples/s, bytes/s, consumer wait on I/O, requests, cache hits."""

@@ -15,6 +15,7 @@ write; the field writers share the block bookkeeping that the index records.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -550,9 +551,24 @@ def choose_rows_per_chunk(
     return max(1, min(R, len(probe))) if final else R
 
 
+def as_samples(samples: Any) -> Any:
+    """`samples` as an iterable of sample dicts: a Hugging Face dataset object, a source path
+    or a Source is read through dataloader.sources; anything else is returned as it is."""
+    from .sources import Source, open_source
+    from .sources.hf import dataset_samples, is_hf_dataset
+
+    if is_hf_dataset(samples):
+        return dataset_samples(samples)
+    if isinstance(samples, os.PathLike):
+        return open_source(os.fspath(samples)).samples()
+    if isinstance(samples, Source):
+        return samples.samples()
+    return samples
+
+
 def write_dataset(
     uri: str | Store,
-    samples: Iterable[Mapping[str, Any]],
+    samples: Iterable[Mapping[str, Any]] | os.PathLike[str] | Any,
     *,
     workers: int | None = None,
     partition_rows: int | None = None,
@@ -566,7 +582,12 @@ def write_dataset(
     number of cores) encodes and writes partitions of `partition_rows` samples on that many
     threads and commits them (a partitioned dataset, see partitions.py); the result is the
     same, byte for byte, for every number of workers. `executor="processes"` uses forked
-    processes instead of threads (see partitions.write_dataset_parallel)."""
+    processes instead of threads (see partitions.write_dataset_parallel).
+
+    `samples` may also be a Hugging Face ``datasets.Dataset`` / ``IterableDataset`` (its
+    rows, read as Arrow batches), a path (``pathlib.Path``) of any source `ckpt-data convert`
+    reads (format detected), or a `dataloader.sources.Source` (``open_source(path, ...)``)."""
+    samples = as_samples(samples)
     if workers is not None or partition_rows is not None or "executor" in options:
         from .partitions import write_dataset_parallel
 

@@ -12,8 +12,10 @@ float, bool, bytes or str) that the writer accepts:
   array per field, samples along the first axis);
 * ``files``: every file of a folder tree, one sample each (``path`` and ``data``);
 * ``webdataset``: WebDataset tar shards (members grouped by key, one field per extension);
-* ``hf``: a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` (its Arrow files,
-  read with pyarrow; the ``datasets`` package is not needed).
+* ``hf``: a Hugging Face ``datasets`` dataset saved with ``save_to_disk``, a ``load_dataset``
+  cache folder (``<name>-<split>.arrow`` files and ``dataset_info.json``) or a single
+  ``.arrow`` file (Arrow IPC files, read with pyarrow; the ``datasets`` package is not needed).
+  `write_dataset` also takes ``datasets.Dataset`` objects themselves (sources/hf.py).
 
 Contract: a bad input raises ValueError/TypeError/FileNotFoundError naming the file (and line,
 row or member) before the sample is handed on; the writer then makes nothing visible.
