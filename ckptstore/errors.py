@@ -88,6 +88,12 @@ class UnrestorableCheckpointError(CkptStoreError):
     over instead is a decision: `CheckpointManager.restore(..., fresh_ok=True)`."""
 
 
+class PeerExchangeError(CkptStoreError):
+    """The copy of a save to its peer replicas could not complete: a rank left or did not
+    answer within `peer_timeout`. The rank's own checkpoint is committed; only its peer
+    copies may be missing (the next save sends them again)."""
+
+
 class KeyMismatchError(CkptStoreError, KeyError):
     """Requested keys are not in the checkpoint, or an `into=` destination does not fit."""
 

@@ -6,6 +6,7 @@ of ranks, and bound how long the others wait. Tiers: `ROOT/node<rank>` (a node's
     {"save": [steps]}                    save each step (sync), then close
     {"restore": {...}, "save": [...]}    restore (kwargs), then save those steps
     {"die_when_sending": true}           SIGKILL this rank when it starts sending peer blobs
+    {"die_after": seconds}               SIGKILL this rank that long after it joined the group
     {"peer_timeout": seconds}
 
 The result is OUT/rank-<rank>.json: {"restored": step | null, "error": [type, message] |
@@ -17,14 +18,58 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import threading
+import time
 import traceback
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class RankCrashed(AssertionError):
+    """A rank raised something the job did not expect (its traceback is the message)."""
+
+
+def run_job(world: int, root: Path, spec: dict[str, Any] | list[dict[str, Any]],
+            timeout: float = 120.0) -> list[dict[str, Any] | None]:
+    """Run one job of `world` ranks of this module (one spec per rank, or one for all) to
+    its end; each rank's result, None for a rank that died. AssertionError if a rank is still
+    running at `timeout` (it waited on a peer) or crashed."""
+    specs = spec if isinstance(spec, list) else [spec] * world
+    out = root / f"out-{uuid.uuid4().hex[:8]}"
+    out.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOCAL_WORLD_SIZE="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.peer_worker", str(r), str(world),
+                               str(out / "pg"), str(root), str(out), json.dumps(specs[r])],
+                              cwd=ROOT, env=env) for r in range(world)]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"a rank was still running after {timeout}s (it waited on a "
+                             "peer)") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results: list[dict[str, Any] | None] = []
+    for r in range(world):
+        f = out / f"rank-{r}.json"
+        results.append(json.loads(f.read_text()) if f.exists() else None)
+        error = results[-1]["error"] if results[-1] is not None else None
+        if error and error[0] == "crash":
+            raise RankCrashed(f"rank {r} crashed:\n{error[1]}")
+    return results
 
 
 def truth(rank: int, step: int) -> dict[str, torch.Tensor]:
@@ -47,6 +92,11 @@ def main(rank: int, world: int, init: str, root: str, out: str, spec: dict[str, 
 
         PeerReplicas._post = dying_post  # type: ignore[method-assign]
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    if "die_after" in spec:
+        killer = threading.Timer(float(spec["die_after"]), os.kill,
+                                 (os.getpid(), signal.SIGKILL))
+        killer.daemon = True
+        killer.start()
     mgr = None
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -66,9 +116,12 @@ def main(rank: int, world: int, init: str, root: str, out: str, spec: dict[str, 
                     for k, v in truth(rank, step).items():
                         assert torch.equal(dest["model"][k], v), f"step {step}: {k} differs"
             if result["error"] is None:
-                for step in spec.get("save", []):
-                    mgr.save(step, {"model": truth(rank, step)})
-                mgr.wait()
+                try:
+                    for step in spec.get("save", []):
+                        mgr.save(step, {"model": truth(rank, step)})
+                    mgr.wait()
+                except ckptstore.CkptStoreError as exc:  # a peer left: bounded, reported
+                    result["error"] = [type(exc).__name__, str(exc)]
                 result["names"] = sorted(mgr.repo.tiers[0].names())
         result["warnings"] = [str(w.message) for w in caught]
     except BaseException:

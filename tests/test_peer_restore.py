@@ -6,51 +6,14 @@ error in bounded time, and never let retention delete the history it could not r
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_job(world: int, root: Path, spec: dict[str, Any] | list[dict[str, Any]],
-            timeout: float = 120.0) -> list[dict[str, Any] | None]:
-    """Run one job of `world` ranks (spec per rank, or one for all) to its end; the result
-    of each rank, None for a rank that died. Fails if a rank is still running at `timeout`."""
-    specs = spec if isinstance(spec, list) else [spec] * world
-    out = root / f"out-{uuid.uuid4().hex[:8]}"
-    out.mkdir(parents=True)
-    init = out / "pg"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), LOCAL_WORLD_SIZE="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.peer_worker", str(r), str(world),
-                               str(init), str(root), str(out), json.dumps(specs[r])],
-                              cwd=ROOT, env=env) for r in range(world)]
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank was still running after {timeout}s (it waited on a peer)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results: list[dict[str, Any] | None] = []
-    for r in range(world):
-        f = out / f"rank-{r}.json"
-        results.append(json.loads(f.read_text()) if f.exists() else None)
-        if results[-1] is not None and results[-1]["error"] and results[-1]["error"][0] == "crash":
-            pytest.fail(f"rank {r} crashed:\n{results[-1]['error'][1]}")
-    return results
+from tests.peer_worker import run_job
 
 
 def errors(results: list[dict[str, Any] | None]) -> list[Any]:

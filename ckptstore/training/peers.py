@@ -44,6 +44,7 @@ from ..errors import (
     CkptStoreError,
     IntegrityError,
     ObjectNotFoundError,
+    PeerExchangeError,
     StoreError,
     UnrestorableCheckpointError,
 )
@@ -129,13 +130,13 @@ class PeerReplicas:
             manifest = near.manifest(name)
             header = {"ok": True, "manifest": raw.decode(),
                       "blobs": _sizes(near.store, manifest)}
-        headers = all_gather_json(header, self.group)
+        headers = self._gather_for_save(header, name)
         wants: dict[str, list[str]] = {}
         for sender, copy in self._copies.items():
             h = headers[sender]
             if h["ok"] and not copy.exists(name):
                 wants[str(sender)] = _missing(copy.store, sorted(h["blobs"]))
-        all_wants = all_gather_json(wants, self.group)
+        all_wants = self._gather_for_save(wants, name)
         try:
             received = self._transfer(headers, all_wants,
                                       lambda sender: self._copies[sender].store)
@@ -179,14 +180,23 @@ class PeerReplicas:
         return out
 
     def _gather(self, obj: Any, what: str) -> list[Any]:
-        """all_gather_json on the peer group; a rank that left or stopped answering (within
-        the group's timeout) is an UnrestorableCheckpointError."""
+        """all_gather_json on the peer group during a restore; a rank that left or stopped
+        answering (within the group's timeout) is an UnrestorableCheckpointError."""
         try:
             return all_gather_json(obj, self.group)
         except RuntimeError as exc:
             raise UnrestorableCheckpointError(
                 f"the restore stopped while the ranks {what}: a rank left or did not answer "
                 f"within the peer timeout ({_short(exc)}); nothing usable was loaded") from exc
+
+    def _gather_for_save(self, obj: Any, name: str) -> list[Any]:
+        try:
+            return all_gather_json(obj, self.group)
+        except RuntimeError as exc:
+            raise PeerExchangeError(
+                f"checkpoint {name!r} is committed on rank {self.rank}, but its copy to the "
+                f"peers stopped: a rank left or did not answer within the peer timeout "
+                f"({_short(exc)})") from exc
 
     def agree(self, outcome: str | None) -> list[str | None]:
         """Every rank's outcome of loading the chosen step (None: loaded whole)."""
