@@ -69,6 +69,9 @@ class RNGState:
         nm = local["numpy_meta"]
         np.random.set_state(("MT19937", np.asarray(local["numpy_key"], dtype=np.uint32),
                              int(nm[0]), int(nm[1]), float(nm[2])))
-        torch.set_rng_state(torch.as_tensor(local["torch_cpu"]).contiguous())
+        # a fresh tensor: a row of the saved [world, n] tensor is a view at a storage offset,
+        # and torch.set_rng_state reads from the storage's start (rank >= 1 crashed)
+        torch.set_rng_state(torch.as_tensor(local["torch_cpu"]).clone())
         if "torch_cuda" in local and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(torch.as_tensor(local["torch_cuda"])))
+            torch.cuda.set_rng_state_all([row.clone() for row in
+                                          torch.as_tensor(local["torch_cuda"])])
