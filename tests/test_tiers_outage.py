@@ -291,3 +291,25 @@ def test_manager_keeps_saving_through_a_far_outage_and_catches_up(
         assert sorted(far.names()) == [f"step-{s}" for s in (3, 4, 5, 6, 7)]  # keep_last 5
     with ckptstore.CheckpointStore(tiers[0]) as near:
         assert sorted(near.names()) == ["step-6", "step-7"]  # keep_last 2, all replicated
+
+
+def test_a_long_outage_keeps_tier0_near_the_far_tiers_keep_last(tmp_path: Path, s3_uri: str,
+                                                                 moto_endpoint: str) -> None:
+    """Pending checkpoints that the far tier's policy would delete anyway once the newer
+    ones arrive are not kept for it: tier 0 holds what the far tier will keep, not every
+    save of the outage, and the catch-up sends only that."""
+    tiers = [str(tmp_path / "near"), s3_uri]
+    mgr = ckptstore.CheckpointManager(tiers, keep_last=[1, 2], endpoint_url=dead_endpoint(),
+                                      replication_retry=FAST_RETRY, **QUICK_S3)
+    try:
+        for step in range(1, 7):
+            mgr.save(step, {"w": np.full(100, step, dtype=np.float32)})
+        assert sorted(mgr.steps()) == [5, 6]  # not 1..6: the far tier keeps only 2
+        assert sorted(r.name for r in pending.read_records(mgr.repo.tiers[0].store)) == [
+            "step-5", "step-6"]
+    finally:
+        mgr.repo.close(wait_replication=False)
+    with ckptstore.CheckpointManager(tiers, keep_last=[1, 2], endpoint_url=moto_endpoint) as back:
+        back.wait()
+        assert sorted(back.repo.tiers[1].names()) == ["step-5", "step-6"]
+        assert sorted(back.repo.tiers[0].names()) == ["step-6"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -290,8 +291,7 @@ class CheckpointManager:
             # waits until it is back (docs/recovery.md, "When a far tier is down")
             holdings = [{int(m.group(1)) for name in (t.names() if i == 0 else t.known_created())
                          if (m := STEP_NAME.fullmatch(name))} for i, t in enumerate(tiers)]
-            waiting = {int(m.group(1)) for r in pending.read_records(tiers[0].store)
-                       if (m := STEP_NAME.fullmatch(r.name))}
+            waiting = self._drop_superseded(holdings, history, saved)
         for i, tier in enumerate(tiers):
             if not tier.reachable:
                 continue
@@ -309,10 +309,30 @@ class CheckpointManager:
                         holdings[i].discard(step)
                     except FileNotFoundError:
                         continue
+                    except FormatError:  # unreadable: left for the user (gc reports it)
+                        continue
                 if self._doomed[i]:
                     self._sweep(i)
             except TierUnreachableError:
                 continue  # went down meanwhile: its retention waits until it is back
+
+    def _drop_superseded(self, holdings: list[set[int]], history: list[int],
+                         saved: int | None) -> set[int]:
+        """The steps still waiting for replication (their records on tier 0), after dropping
+        from each record the later tiers whose policy would delete that step anyway once
+        every waiting step arrived (TieredRetention.superseded): through a long outage of
+        a far tier, tier 0 then holds about that tier's keep_last checkpoints, not every
+        save, and the catch-up sends only what the far tier keeps."""
+        near = self.repo.tiers[0].store
+        records = {int(m.group(1)): r for r in pending.read_records(near)
+                   if (m := STEP_NAME.fullmatch(r.name))}
+        for tier in range(1, len(self.repo.tiers)):
+            waiting = {s for s, r in records.items() if tier in r.tiers}
+            for step in self.tier_policy.superseded(tier, holdings, history, saved, waiting):
+                pending.drop_tier(near, records[step].name, tier)
+                left = tuple(t for t in records[step].tiers if t != tier)
+                records[step] = replace(records[step], tiers=left)
+        return {s for s, r in records.items() if r.tiers}
 
     def _sweep(self, i: int) -> None:
         """Delete the blobs of tier i's dropped checkpoints that no checkpoint there still
@@ -324,7 +344,13 @@ class CheckpointManager:
         tier = self.repo.tiers[i]
         try:
             with leases.gc_lease(tier.store, wait=0, settle_block=False):
-                still_used = tier.referenced_blobs()
+                try:
+                    still_used = tier.referenced_blobs()
+                except CkptStoreError as exc:  # an unreadable manifest: it could use any
+                    warnings.warn(f"retention on {tier.uri} deleted checkpoints but not their "
+                                  f"blobs: {exc}; `ckpt gc` collects them once it is fixed",
+                                  RuntimeWarning, stacklevel=2)
+                    return
                 for blob in self._doomed[i] - still_used:
                     tier.store.delete(blob_key(blob))
                 tier.store.sync()

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..errors import (
     CkptStoreError,
+    FormatError,
     IntegrityError,
     ObjectNotFoundError,
     PeerExchangeError,
@@ -161,9 +162,12 @@ class PeerReplicas:
                 try:
                     doomed |= copy.manifest(n).blob_digests()
                     copy.delete(n)
-                except FileNotFoundError:
+                except (FileNotFoundError, FormatError):  # gone, or unreadable: left alone
                     continue
-            still = copy.referenced_blobs()
+            try:
+                still = copy.referenced_blobs()
+            except CkptStoreError:  # an unreadable manifest could use any blob: keep them
+                return
             for blob in doomed - still:
                 copy.store.delete(blob_key(blob))
             copy.store.sync()

@@ -77,6 +77,15 @@ class TieredRetention:
         it last received one (the caller resets the counts of the tiers returned)."""
         return [i for i, k in enumerate(self.every) if since_last[i] + 1 >= k]
 
+    def superseded(self, tier: int, holdings: list[set[int]], history: list[int],
+                   saved: int | None, pending: set[int]) -> list[int]:
+        """Steps still to replicate to `tier` (`pending`) that its policy would delete even
+        once every pending step has arrived: newer ones replace them there. Their
+        replication to `tier` is pointless and may be dropped (then tier 0's own policy
+        decides them), which keeps tier 0 from growing through a long outage of `tier`."""
+        after = [s for s in history if s in holdings[tier] or s in pending]
+        return [s for s in self.policies[tier].to_delete(after, saved) if s in pending]
+
     def to_delete(self, tier: int, holdings: list[set[int]], history: list[int],
                   saved: int | None, pending: set[int]) -> list[int]:
         """Steps to delete from `tier`. `holdings[j]`: the steps tier j holds; `history`: the
