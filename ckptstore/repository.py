@@ -1123,6 +1123,15 @@ class CheckpointStore:
         """Names queued or being replicated now, in order."""
         return [] if self._replicator is None else self._replicator.pending()
 
+    def forget_replication(self, name: str, tier: int) -> None:
+        """Tier `tier` no longer needs `name` (retention: newer checkpoints replace it
+        there): its pending record drops that tier, and once no tier is left a queued
+        replication of it is dropped too, without waiting for one in progress."""
+        near = self.tiers[0].store
+        pending.drop_tier(near, name, tier)
+        if self._replicator is not None and not pending.has_record(near, name):
+            self._replicator.discard(name)
+
     def replication_pending(self, name: str) -> bool:
         """True while `name` still has to reach a later tier (its record is on tier 0)."""
         return self._tiered and pending.has_record(self.tiers[0].store, name)

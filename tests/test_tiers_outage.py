@@ -304,7 +304,10 @@ def test_a_long_outage_keeps_tier0_near_the_far_tiers_keep_last(tmp_path: Path, 
     try:
         for step in range(1, 7):
             mgr.save(step, {"w": np.full(100, step, dtype=np.float32)})
-        assert sorted(mgr.steps()) == [5, 6]  # not 1..6: the far tier keeps only 2
+        # not 1..6: the far tier keeps only 2 (plus at most the one being sent right now,
+        # which retention leaves for its next round rather than wait for the replicator)
+        steps = set(mgr.steps())
+        assert {5, 6} <= steps and len(steps) <= 3, steps
         assert sorted(r.name for r in pending.read_records(mgr.repo.tiers[0].store)) == [
             "step-5", "step-6"]
     finally:

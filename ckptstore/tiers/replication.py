@@ -281,6 +281,12 @@ class Replicator:
             while self._active == name:
                 self._cond.wait()
 
+    def discard(self, name: str) -> None:
+        """Drop `name` from the queue without waiting (a replication of it in progress goes
+        on): its record no longer asks for it."""
+        with self._cond:
+            self._queue = [(n, t) for n, t in self._queue if n != name]
+
     def pending(self) -> list[str]:
         """Names queued or being replicated, in order."""
         with self._cond:

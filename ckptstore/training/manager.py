@@ -282,6 +282,7 @@ class CheckpointManager:
         saved = int(saved_match.group(1)) if saved_match else None
         history = self.steps()
         tiers = self.repo.tiers
+        busy: set[int] = set()
         if len(tiers) == 1:
             holdings = [set(history)]
             waiting: set[int] = set()
@@ -292,14 +293,19 @@ class CheckpointManager:
             holdings = [{int(m.group(1)) for name in (t.names() if i == 0 else t.known_created())
                          if (m := STEP_NAME.fullmatch(name))} for i, t in enumerate(tiers)]
             waiting = self._drop_superseded(holdings, history, saved)
+            # a checkpoint the replicator is sending now is left for the next retention:
+            # deleting it would wait for that replication (the foreground must not)
+            busy = {int(m.group(1)) for n in self.repo.replicating()
+                    if (m := STEP_NAME.fullmatch(n))}
+            waiting |= busy
         for i, tier in enumerate(tiers):
             if not tier.reachable:
                 continue
             try:
                 for step in self.tier_policy.to_delete(i, holdings, history, saved, waiting):
                     name = self.name_of(step)
-                    if name in self._kept:
-                        continue  # found by a deliberate fresh start: never deleted here
+                    if name in self._kept or step in busy:
+                        continue  # a deliberate fresh start's history; or being replicated
                     try:
                         self._doomed[i] |= tier.manifest(name).blob_digests()
                         if len(tiers) == 1:
@@ -329,7 +335,7 @@ class CheckpointManager:
         for tier in range(1, len(self.repo.tiers)):
             waiting = {s for s, r in records.items() if tier in r.tiers}
             for step in self.tier_policy.superseded(tier, holdings, history, saved, waiting):
-                pending.drop_tier(near, records[step].name, tier)
+                self.repo.forget_replication(records[step].name, tier)
                 left = tuple(t for t in records[step].tiers if t != tier)
                 records[step] = replace(records[step], tiers=left)
         return {s for s, r in records.items() if r.tiers}
