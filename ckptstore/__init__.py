@@ -7,9 +7,9 @@ Where things are (each folder's `__init__` says more; imports flow down this lis
     layout.py        where it is stored: every key prefix and key <-> name mapping
     stores/          the object stores: local folder, memory, S3; `testing`, the contract suite
     pipeline/        moving bytes: the save and restore pipelines under a memory budget
-    maintenance/     verify, gc and the leases that keep saves and gc apart
-    tiers/           tiered repositories: tier list, replication, pending records
-    repository.py    CheckpointStore, the facade
+    maintenance/     verify, gc, the leases that keep saves and gc apart, the copy protocol
+    tiers/           tiered repositories: tier list, far tiers, replication, pending records
+    repository/      CheckpointStore: one store (single.py) or tiers of them (tiered.py)
     tools/           copying, inspection, import/export, the zarr view
     training/        CheckpointManager, torch.distributed, RNG state, Lightning
     cli/             the `ckpt` command
@@ -28,21 +28,26 @@ from .errors import (
     IntegrityError,
     InvalidNameError,
     KeyMismatchError,
+    LeaseBusyError,
     MissingDependencyError,
     ObjectExistsError,
     ObjectNotFoundError,
     PeerExchangeError,
+    ReplicationError,
     RepositoryNotFoundError,
+    ReusedBlobsMissingError,
     SourceChangedError,
     StoreAccessError,
     StoreError,
+    TierUnreachableError,
+    TrustRequiredError,
     UnrestorableCheckpointError,
     UnsupportedTypeError,
 )
 from .format.codecs import Codec
 from .format.shard import Shard
 from .maintenance.checks import GcReport, VerifyReport
-from .pipeline.writer import SaveInfo
+from .pipeline.options import SaveInfo
 from .repository import CheckpointInfo, CheckpointStore, SaveHandle
 from .stores import LocalStore, MemoryStore, ObjectInfo, Store, open_store
 from .training.retention import Retention
@@ -52,12 +57,15 @@ from .version import __version__
 __all__ = [
     "CheckpointExistsError", "CheckpointInfo", "CheckpointManager", "CheckpointNotFoundError",
     "CheckpointStore", "CkptStoreError", "Codec", "DurabilityError", "FormatError", "GcReport",
-    "IntegrityError", "InvalidNameError", "KeyMismatchError", "LocalStore", "MemoryStore",
+    "IntegrityError", "InvalidNameError", "KeyMismatchError", "LeaseBusyError", "LocalStore",
+    "MemoryStore",
     "MissingDependencyError",
     "ObjectExistsError", "ObjectInfo", "ObjectNotFoundError", "PeerExchangeError", "RNGState",
-    "RepositoryNotFoundError", "Retention", "SaveHandle", "SaveInfo", "Shard",
+    "ReplicationError", "RepositoryNotFoundError", "Retention", "ReusedBlobsMissingError",
+    "SaveHandle", "SaveInfo", "Shard",
     "SourceChangedError", "Store",
-    "StoreAccessError", "StoreError", "UnrestorableCheckpointError", "UnsupportedTypeError",
+    "StoreAccessError", "StoreError", "TierUnreachableError", "TrustRequiredError",
+    "UnrestorableCheckpointError", "UnsupportedTypeError",
     "VerifyReport", "__version__",
     "open_store", "zarr_store",
 ]  # fmt: skip

@@ -104,3 +104,38 @@ class KeyMismatchError(CkptStoreError, KeyError):
 class MissingDependencyError(CkptStoreError, ImportError):
     """An optional package a feature needs is not installed; the message is one line naming
     the extra to install (`pip install 'ckptstore[s3]'`). Raised by `ckptstore.deps.require`."""
+
+
+class TierUnreachableError(StoreError):
+    """A far tier cannot be reached now (not opened yet, or down since a recent failure);
+    transient: retried by the replicator (ckptstore/tiers/far.py)."""
+
+
+class ReplicationError(CkptStoreError):
+    """A checkpoint could not be replicated to a tier (after retries); its copy on the nearer
+    tiers is intact and its pending record stays, so reopening the store tries again."""
+
+    def __init__(self, name: str, target: str, cause: BaseException, attempts: int) -> None:
+        super().__init__(f"replication of checkpoint {name!r} to {target} gave up after "
+                         f"{attempts} attempt(s): {type(cause).__name__}: {cause}")
+        self.name = name
+        self.target = target
+        self.cause = cause
+
+
+class ReusedBlobsMissingError(StoreError):
+    """Blobs a save meant to reuse from earlier checkpoints were deleted meanwhile (a gc ran
+    beside the save); the manifest was not committed."""
+
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__(f"{len(missing)} blob(s) this save reuses were deleted before its "
+                         f"commit (first: {missing[0]}); nothing was committed")
+        self.missing = missing
+
+
+class LeaseBusyError(CkptStoreError):
+    """The operation could not start because a conflicting lease is live (try again later)."""
+
+
+class TrustRequiredError(CkptStoreError, PermissionError):
+    """The source can only be read by unpickling it; the caller did not say it trusts it."""

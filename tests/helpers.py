@@ -1,9 +1,10 @@
-"""Assertions shared by tests."""
+"""Assertions and runners shared by tests."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,3 +64,29 @@ def sealed_manifest(doc: dict) -> bytes:
     except ValueError:  # NaN and the like: no canonical form, sent as they are
         return json.dumps(doc).encode()
     return raw if body.get("version") == 1 else seal(raw)
+
+
+def spawn_ranks(fn: Callable[..., None], world: int, tmp_path: Path, tag: str,
+                args: Callable[[str, str], tuple[Any, ...]],
+                report: Callable[[int], str], ok: str = "ok") -> list[str]:
+    """The one spawn-and-collect helper of the multi-rank tests: start `world` processes
+    (spawn) running `fn(rank, *args(init_file, out_dir))` on one gloo group (file init),
+    wait for all, then read each rank's report file `out_dir/report(rank)`; a rank whose
+    report does not start with `ok` (or that wrote none) fails the test with its text (the
+    worker writes its traceback there). Returns the reports, in rank order."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    init = tmp_path / f"pg-{tag}"
+    out = tmp_path / f"out-{tag}"
+    out.mkdir()
+    try:
+        mp.start_processes(fn, args=args(str(init), str(out)), nprocs=world, join=True,
+                           start_method="spawn")
+    finally:
+        reports = [(out / report(r)).read_text() if (out / report(r)).exists() else ""
+                   for r in range(world)]
+        for rank, text in enumerate(reports):
+            if not text.startswith(ok):
+                pytest.fail(f"rank {rank} failed in {tag}:\n{text or '(no report)'}")
+    return reports

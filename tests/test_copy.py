@@ -14,9 +14,8 @@ from ckptstore import (
     CheckpointStore,
     IntegrityError,
 )
-from ckptstore.layout import blob_key
+from ckptstore.layout import blob_key, manifest_key
 from ckptstore.maintenance.leases import LeaseBusyError, gc_lease, list_leases
-from ckptstore.repository import manifest_key
 from ckptstore.tools.copying import copy_checkpoints
 
 

@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ckptstore import CheckpointStore
 
 from . import dist_worker
+from .helpers import spawn_ranks
 
 
 def run(fn, world: int, tmp_path, root, mode: str, tag: str) -> None:
-    init = tmp_path / f"pg-{tag}"
-    out = tmp_path / f"out-{tag}"
-    out.mkdir()
-    try:
-        mp.start_processes(fn, args=(world, str(init), str(root), str(out), mode),
-                           nprocs=world, join=True, start_method="spawn")
-    finally:
-        for rank in range(world):
-            f = out / f"{'save' if fn is dist_worker.save_worker else 'load'}-{rank}"
-            if f.exists() and f.read_text() != "ok":
-                pytest.fail(f"rank {rank} failed:\n{f.read_text()}")
+    kind = "save" if fn is dist_worker.save_worker else "load"
+    spawn_ranks(fn, world, tmp_path, tag, lambda init, out: (world, init, str(root), out, mode),
+                lambda rank: f"{kind}-{rank}")
 
 
 def check_single_process(root) -> None:

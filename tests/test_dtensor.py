@@ -7,26 +7,18 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ckptstore import CheckpointStore, Shard
 
 from . import dist_worker as W
+from .helpers import spawn_ranks
 
 
 def run(world: int, tmp_path, root, mode: str) -> list[dict]:
-    init = tmp_path / f"pg-{mode}"
-    out = tmp_path / f"out-{mode}"
-    out.mkdir()
-    try:
-        mp.start_processes(W.dtensor_worker, args=(world, str(init), str(root), str(out), mode),
-                           nprocs=world, join=True, start_method="spawn")
-    finally:
-        for rank in range(world):
-            f = out / f"dt-{rank}"
-            if f.exists() and not f.read_text().startswith("ok"):
-                pytest.fail(f"rank {rank} failed:\n{f.read_text()}")
-    return [json.loads((out / f"dt-{r}").read_text()[3:]) for r in range(world)]
+    reports = spawn_ranks(W.dtensor_worker, world, tmp_path, mode,
+                          lambda init, out: (world, init, str(root), out, mode),
+                          lambda rank: f"dt-{rank}")
+    return [json.loads(text[3:]) for text in reports]
 
 
 def test_2x2_mesh_to_2_and_3_ranks_and_back_to_one_process(tmp_path):

@@ -13,8 +13,8 @@ from ckptstore.format.hashing import XXH3_128
 from ckptstore.format.manifest import ChunkRef, Manifest, TensorEntry
 from ckptstore.format.manifest_parse import parse_manifest
 from ckptstore.format.regions import block_runs, boxes
-from ckptstore.pipeline.writer import SaveOptions
-from ckptstore.training.distributed import plan_collective
+from ckptstore.pipeline.options import SaveOptions
+from ckptstore.pipeline.planning import plan_collective
 
 
 def _desc(key, gshape, offset, shape, dtype="float32"):

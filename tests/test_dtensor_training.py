@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
-import torch.multiprocessing as mp
 
 from . import dist_worker as W
+from .helpers import spawn_ranks
 
 
 def run(world: int, tmp_path, root, mode: str):
-    init = tmp_path / f"pg-{mode}"
+    spawn_ranks(W.tp_worker, world, tmp_path, mode,
+                lambda init, out: (world, init, str(root), out, mode), lambda rank: f"tp-{rank}")
     out = tmp_path / f"out-{mode}"
-    out.mkdir()
-    try:
-        mp.start_processes(W.tp_worker, args=(world, str(init), str(root), str(out), mode),
-                           nprocs=world, join=True, start_method="spawn")
-    finally:
-        for rank in range(world):
-            f = out / f"tp-{rank}"
-            if f.exists() and f.read_text() != "ok":
-                pytest.fail(f"rank {rank} failed:\n{f.read_text()}")
     return dict(np.load(out / "saved.npz")), dict(np.load(out / "final.npz"))
 
 

@@ -42,7 +42,7 @@ def test_latest_parses_only_the_newest_manifest(store_uri, store_options, monkey
         parsed.append(expected_name)
         return manifest_mod.parse_manifest(data, expected_name, *args)
 
-    monkeypatch.setattr("ckptstore.repository.parse_manifest", counting_parse)
+    monkeypatch.setattr("ckptstore.repository.catalog.parse_manifest", counting_parse)
     assert fresh.latest() == "mid"
     assert parsed == ["mid"]
 

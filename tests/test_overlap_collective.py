@@ -5,29 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ckptstore import CheckpointStore, Shard, SourceChangedError
 
 from . import overlap_dist_worker as worker
+from .helpers import spawn_ranks
 
 WORLD = 2
 
 
 def run(fn, tmp_path, root, writer: str, tag: str) -> list[str]:
-    init = tmp_path / f"pg-{tag}"
-    out = tmp_path / f"out-{tag}"
-    out.mkdir()
-    try:
-        mp.start_processes(fn, args=(WORLD, str(init), str(root), str(out), writer),
-                           nprocs=WORLD, join=True, start_method="spawn")
-    finally:
-        reports = [(out / f"rank-{r}").read_text() if (out / f"rank-{r}").exists() else ""
-                   for r in range(WORLD)]
-        for rank, text in enumerate(reports):
-            if not text.startswith("ok"):
-                pytest.fail(f"rank {rank} failed:\n{text}")
-    return reports
+    return spawn_ranks(fn, WORLD, tmp_path, tag,
+                       lambda init, out: (WORLD, init, str(root), out, writer),
+                       lambda rank: f"rank-{rank}")
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])

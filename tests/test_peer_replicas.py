@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.dist_worker import leave_process_group
+from tests.helpers import spawn_ranks
 from tests.reliability.s3chaos import ChaosServer, moto_app
 
 
@@ -61,17 +61,9 @@ def worker(rank: int, world: int, init: str, root: str, far: str, endpoint: str,
 
 
 def run(world: int, tmp: Path, far: str, endpoint: str, phase: str) -> None:
-    out = tmp / f"out-{phase}"
-    out.mkdir()
-    try:
-        mp.start_processes(worker, args=(world, str(tmp / f"pg-{phase}"), str(tmp / "nodes"),
-                                         far, endpoint, phase, str(out)),
-                           nprocs=world, join=True, start_method="spawn")
-    finally:
-        for rank in range(world):
-            f = out / f"{phase}-{rank}"
-            if f.exists() and f.read_text() != "ok":
-                pytest.fail(f"rank {rank} failed in {phase}:\n{f.read_text()}")
+    spawn_ranks(worker, world, tmp, phase,
+                lambda init, out: (world, init, str(tmp / "nodes"), far, endpoint, phase, out),
+                lambda rank: f"{phase}-{rank}")
 
 
 @pytest.mark.parametrize("world", [2, 3])

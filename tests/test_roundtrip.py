@@ -253,7 +253,7 @@ def test_public_names_exist():
 
 
 def test_worker_counts_default_per_operation_and_can_be_set(tmp_path):
-    from ckptstore.pipeline.reader import default_load_workers
+    from ckptstore.pipeline.options import default_load_workers
 
     repo = CheckpointStore(tmp_path / "d")
     assert repo.save_options.workers == 8

@@ -11,7 +11,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from ckptstore.stores import LocalStore, MemoryStore, open_store
+from ckptstore.stores import LocalStore, MemoryStore, Store, open_store
 from ckptstore.stores.s3 import S3Store
 from ckptstore.stores.testing import S3StoreTests, StoreTests
 
@@ -51,3 +51,51 @@ class TestS3StoreOnMoto(S3StoreTests):
         assert isinstance(s, S3Store)
         yield s
         s.close()
+
+
+class TestDirectLocalStore(TestLocalStore):
+    """The writer process's store: large page-aligned bodies go out with O_DIRECT."""
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> LocalStore:
+        from ckptstore.stores.direct_io import DirectLocalStore
+
+        return DirectLocalStore(tmp_path / "store")
+
+
+class TestFarTier(StoreTests):
+    """A later tier as a tiered repository sees it (tiers/far.py), over a local folder."""
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[Store]:
+        from ckptstore.tiers.far import FarTier
+
+        far = FarTier("far://contract", lambda: LocalStore(tmp_path / "far"), lambda s: None)
+        assert far.open_now()
+        yield far
+        far.close()
+
+    def raw_get(self, store: Store, key: str) -> bytes:
+        return Path(store._store.root, key).read_bytes()  # type: ignore[attr-defined]
+
+    def raw_put(self, store: Store, key: str, data: bytes) -> None:
+        path = Path(store._store.root, key)  # type: ignore[attr-defined]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+class TestReceivedBlobs(StoreTests):
+    """Blobs received from a peer, held in memory (training/peers.py): written once by the
+    fetch, then read-only, so the contract's deletes and overwrites do not apply."""
+
+    @pytest.fixture
+    def store(self) -> Store:
+        from ckptstore.training.peers import ReceivedBlobs
+
+        return ReceivedBlobs("peer://contract")
+
+    def raw_get(self, store: Store, key: str) -> bytes:
+        return bytes(store.view(key))  # type: ignore[attr-defined]
+
+    def raw_put(self, store: Store, key: str, data: bytes) -> None:
+        store.put(key, data)

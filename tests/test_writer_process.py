@@ -133,9 +133,12 @@ def test_a_writer_killed_between_two_blobs_is_replaced_and_its_folders_are_synce
             put(self, key, data)
             if not killed:
                 dead_writer_keys.append(key)
-                killed.append(self.pid)
-                os.kill(self.pid, signal.SIGKILL)
-                assert wait_gone(self.pid)
+                conn = self._conn
+                killed.append(conn.proc.pid)
+                os.kill(conn.proc.pid, signal.SIGKILL)
+                # reaped (not just a zombie leader whose threads are still going down)
+                # before the next put: the writer died while idle
+                assert conn.proc.wait(10) == -signal.SIGKILL
 
     def recording(self, message, payload=None):
         if message["op"] == "sync":

@@ -2,7 +2,7 @@
 (JSON document or tables) and returns an exit code; errors propagate to `main`, which prints
 them as one line (see `classify`).
 
-Why one module of ~540 lines: one short function per sub-command, sharing the repository
+Why one module: one short function per sub-command, sharing the repository
 opening and error classification above them; a file per command would repeat those.
 """
 
@@ -19,6 +19,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CkptStoreError,
     FormatError,
+    LeaseBusyError,
     ObjectNotFoundError,
     RepositoryNotFoundError,
 )
@@ -38,7 +39,7 @@ from .output import Output, finite, human_bytes, human_duration, iso_time, line,
 def classify(exc: BaseException) -> tuple[int, str]:
     """Exit code and one-line message (URLs redacted) for an error that reached `main`."""
     text = one_line(exc)
-    if isinstance(exc, leases.LeaseBusyError):
+    if isinstance(exc, LeaseBusyError):
         return EXIT_BUSY, f"busy: {text}"
     if isinstance(exc, UsageError):
         return EXIT_ERROR, f"error: {text}"

@@ -304,6 +304,33 @@ def leaf_keys(node: Any, keep: Callable[[str], bool] | None = None) -> dict[int,
     return out
 
 
+def tied_keys(node: Any, keep: Callable[[str], bool] | None = None) -> dict[int, list[str]]:
+    """Tensor index -> every further dotted key it appears at beyond the first (`leaf_keys`),
+    for the tensors stored once and referenced from several places of the tree (the same
+    object saved under two keys); with `keep`, only keys `keep` accepts."""
+    first: dict[int, str] = {}
+    out: dict[int, list[str]] = {}
+
+    def walk(node: Any, key: str | None) -> None:
+        kind, value = node_kind(node)
+        if kind in ("dict", "odict"):
+            for (_t, k), child in value:
+                walk(child, str(k) if key is None else f"{key}.{k}")
+        elif kind in ("list", "tuple"):
+            for i, child in enumerate(value):
+                walk(child, str(i) if key is None else f"{key}.{i}")
+        elif kind in ("tensor", "bytes"):
+            leaf_key = "" if key is None else key
+            if keep is None or keep(leaf_key):
+                if value in first:
+                    out.setdefault(value, []).append(leaf_key)
+                else:
+                    first[value] = leaf_key
+
+    walk(node, None)
+    return out
+
+
 def _collect_keys(node: Any, key: str | None, out: dict[int, str],
                   keep: Callable[[str], bool] | None) -> None:
     """Add every tensor leaf under `node` (at dotted `key`, None for the root) not yet in

@@ -52,7 +52,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from ..errors import CkptStoreError, ObjectNotFoundError, StoreError
+from ..errors import CkptStoreError, LeaseBusyError, ObjectNotFoundError, StoreError
 from ..layout import LEASE_KINDS, LOCK_PREFIX, SWEEP_KEY, clock_probe_key, lease_key, lease_kind
 from ..stores.base import ObjectInfo, Store
 
@@ -63,9 +63,6 @@ REFRESH = 30.0
 #: the time between writing one's own lease and listing the others.
 SKEW_MARGIN = 30.0
 
-
-class LeaseBusyError(CkptStoreError):
-    """The operation could not start because a conflicting lease is live (try again later)."""
 
 
 @dataclass(frozen=True)

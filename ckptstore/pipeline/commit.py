@@ -18,17 +18,22 @@ commits once for many ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..format.leaf import ArrayLeaf
 from ..format.manifest import Manifest
-from .writer import CheckpointWriter, SaveInfo
+from .options import SaveInfo
+from .writer import CheckpointWriter, KnownChunks
 
 
 @dataclass(frozen=True)
 class SaveRequest:
-    """What one save commits: the encoded state of this process and where it goes."""
+    """What one save commits, decided once before anything is written and passed down as it
+    is: the encoded state of this process, where it goes, the chunks the store is known to
+    hold (`known`: the parent's, reused without a request), the commit-order floor
+    (`not_before`: the manifest's `created` is at least this) and the later tiers it is meant
+    for (`targets`: recorded on tier 0 before the commit, tiers/pending.py)."""
 
     name: str
     tree: Any
@@ -36,6 +41,9 @@ class SaveRequest:
     metadata: dict[str, Any]
     parent: str | None
     manifest_key: str
+    known: KnownChunks = field(default_factory=KnownChunks)
+    not_before: float = 0.0
+    targets: tuple[int, ...] = ()
 
 
 class Committer(Protocol):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -133,13 +134,28 @@ def _check_numpy_dest(dest: Any, entry: TensorEntry) -> str | None:
     return None
 
 
-def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
-               keys: Iterable[str] | None = None, strict: bool = True,
-               max_alloc_bytes: int | None = None) -> Any:
-    """Rebuild the saved state. With `into`, tensors found in it by dotted key are filled in
-    place and returned as the same objects; with `keys`, only those subtrees are loaded. The
-    tensors created here may declare at most `max_alloc_bytes` in all (see check_allocation);
-    an allocation that fails anyway raises FormatError naming the tensor."""
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a load reads and where it goes, decided (and every check run) before anything
+    is allocated or read: the tensors selected (indexes into the manifest), the dotted key
+    each is found at, the further keys of tensors referenced from several places that have
+    a destination of their own (`also`), and the `into=` destinations by key."""
+
+    manifest: Manifest
+    selected: list[int]
+    key_of: dict[int, str]
+    also: dict[int, list[str]]
+    dests: dict[str, Any]
+    keep: Callable[[str], bool] | None
+
+
+def plan_load(manifest: Manifest, into: Any = None, keys: Iterable[str] | None = None,
+              strict: bool = True, max_alloc_bytes: int | None = None) -> LoadPlan:
+    """Plan a load (LoadPlan): select the tensors (`keys`: those subtrees), match them with
+    the `into=` destinations, and check everything that can be checked without reading:
+    requested keys exist, destinations fit (KeyMismatchError listing the problems; with
+    `strict`, every destination must be in the checkpoint), and the tensors to create declare
+    at most `max_alloc_bytes` (FormatError, see check_allocation)."""
     keep = key_filter(keys)
     # per tensor only strings and temporaries: thousands of retained tuples would cost more
     # in the cyclic GC's full collections than building them
@@ -148,19 +164,34 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
     if keep is not None:
         _check_keys_exist(manifest, keys or [])
     dests = tree_mod.flatten_arrays(into) if into is not None else {}
-    _check_into(manifest, selected, key_of, dests, strict, keep)
+    tied = tree_mod.tied_keys(manifest.tree, keep) if dests else {}
+    also = {i: [k for k in extra if k in dests and dests[k] is not dests.get(key_of[i])]
+            for i, extra in tied.items() if i in key_of}
+    also = {i: ks for i, ks in also.items() if ks}
+    _check_into(manifest, selected, key_of, dests, strict, keep,
+                {k for ks in tied.values() for k in ks})
+    for i, extra in also.items():  # a tied tensor's other destinations must fit it too
+        for k in extra:
+            _check_into(manifest, [i], {i: k}, {k: dests[k]}, False, keep)
     check_allocation(manifest, [i for i in selected if key_of.get(i, "") not in dests],
                      max_alloc_bytes)
+    return LoadPlan(manifest, selected, key_of, also, dests, keep)
 
+
+def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:
+    """Carry out a LoadPlan: allocate (or adopt) every destination, read every chunk
+    (verified) straight into it, fill further destinations of tied tensors, rebuild the
+    tree. On an error `into=` tensors may be partly overwritten."""
+    manifest, dests = plan.manifest, plan.dests
     with paused_collector():  # allocating thousands of tensors: a CPU-bound step
         torch_mat = None
         values: dict[int, Any] = {}
         targets: list[ReadTarget] = []
         regions = RegionReads(reader)
         finishers: list[Callable[[], None]] = []
-        for i in selected:
+        for i in plan.selected:
             entry = manifest.tensors[i]
-            key = key_of.get(i, "")
+            key = plan.key_of.get(i, "")
             dest: Any = None
             runs: Runs | None = None
             original = dests.get(key)
@@ -194,11 +225,31 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
     regions.run()
     for fin in finishers:
         fin()
-    for i in selected:
+    for i, extra in plan.also.items():  # the same tensor at other keys: copied there
+        for key in extra:
+            _copy_into(dests[key], values[i])
+    for i in plan.selected:
         if manifest.tensors[i].kind == "bytes":
             values[i] = values[i].tobytes()
-    result = tree_mod.decode(manifest.tree, values.__getitem__, keep)
+    result = tree_mod.decode(manifest.tree, values.__getitem__, plan.keep)
     return {} if result is tree_mod._DROP else result
+
+
+def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
+               keys: Iterable[str] | None = None, strict: bool = True,
+               max_alloc_bytes: int | None = None) -> Any:
+    """Rebuild the saved state: `plan_load`, then `execute_load`. With `into`, tensors found
+    in it by dotted key are filled in place and returned as the same objects; with `keys`,
+    only those subtrees are loaded."""
+    return execute_load(plan_load(manifest, into, keys, strict, max_alloc_bytes), reader)
+
+
+def _copy_into(dest: Any, value: Any) -> None:
+    """Fill destination `dest` (a further key of a tied tensor) with the loaded `value`."""
+    if isinstance(dest, np.ndarray):
+        np.copyto(dest, value if isinstance(value, np.ndarray) else np.asarray(value))
+    else:
+        dest.copy_(value)
 
 
 def _check_keys_exist(manifest: Manifest, keys: Iterable[str]) -> None:
@@ -219,12 +270,13 @@ def _all_leaf_keys(node: Any, path: tuple[str | int, ...] = ()) -> list[str]:
 
 
 def _check_into(manifest: Manifest, selected: list[int], key_of: dict[int, str],
-                dests: dict[str, Any], strict: bool, keep: Callable[[str], bool] | None
-                ) -> None:
+                dests: dict[str, Any], strict: bool, keep: Callable[[str], bool] | None,
+                also_stored: Iterable[str] = ()) -> None:
     """Check that every destination found for a selected tensor can receive it in place (and,
-    if `strict`, that every destination has a tensor); KeyMismatchError lists the problems."""
+    if `strict`, that every destination has a tensor: one at `key_of` or at `also_stored`,
+    the further keys of tied tensors); KeyMismatchError lists the problems."""
     problems = []
-    stored_keys = set()
+    stored_keys = set(also_stored)
     for i in selected:
         key = key_of.get(i, "")
         stored_keys.add(key)

@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,35 +43,8 @@ from ..errors import SourceChangedError, UnsupportedTypeError
 from ..format.leaf import ArrayLeaf
 from ..stores.base import Store
 from ..stores.local import LocalStore
-from .writer import SaveOptions
+from .options import SaveOptions
 from .writer_process import SharedSlot, WriterProcess, writer_process_available
-
-STAGING_MODES = ("copy", "overlap")
-ASYNC_WRITERS = ("auto", "thread", "process")
-#: An overlapped save's writer runs up to this many threads: `background_workers` of them
-#: work at once and `background_io` wait in writes (concurrency.Turns), the others hold a
-#: staged block and wait for their turn to write it. A thread holds one block, so this also
-#: caps how far copies run ahead of writes: 128 blocks, 2 GiB at the default chunk size
-#: (threads that wait cost no CPU and little memory)
-MAX_OVERLAP_THREADS = 128
-
-
-def check_staging(staging: str, max_host_bytes: int | None) -> None:
-    if staging not in STAGING_MODES:
-        raise ValueError(f"staging must be one of {STAGING_MODES}, got {staging!r}")
-    if max_host_bytes is not None and (type(max_host_bytes) is not int or max_host_bytes < 1):
-        raise ValueError(f"max_host_bytes must be a positive int, got {max_host_bytes!r}")
-
-
-def overlap_options(options: SaveOptions, max_host_bytes: int | None) -> SaveOptions:
-    """The options of an overlapped save: the staging budget (`max_host_bytes`, default
-    `max_inflight_bytes`) bounds the pipeline's memory, and the writer gets a thread per
-    staging slot besides its working threads, so that copies fill every free slot at once."""
-    budget = max_host_bytes or options.max_inflight_bytes
-    slots = budget // min(options.chunk_bytes, budget)
-    threads = slots + options.background_workers + options.background_io
-    return replace(options, max_inflight_bytes=budget, background=True,
-                   workers=min(MAX_OVERLAP_THREADS, threads))
 
 
 def _version_source(obj: Any) -> Any:
@@ -149,9 +121,8 @@ def staging_pool(current: StagingPool | None, store: Store, options: SaveOptions
 
 
 def check_async_writer(async_writer: str, store: Store) -> None:
-    """ValueError unless `async_writer` can write to `store`."""
-    if async_writer not in ASYNC_WRITERS:
-        raise ValueError(f"async_writer must be one of {ASYNC_WRITERS}, got {async_writer!r}")
+    """ValueError unless `async_writer` (one of ASYNC_WRITERS: SaveOptions checks that) can
+    write to `store`."""
     if async_writer == "process" and not isinstance(store, LocalStore):
         raise ValueError('async_writer="process" writes to local folders only; '
                          f"{store.uri} is not one (use \"auto\" or \"thread\")")
@@ -170,15 +141,15 @@ def uses_writer_process(async_writer: str, store: Store) -> bool:
 class Overlap:
     """The state of one overlapped save (module docstring). Thread-safe."""
 
-    def __init__(self, leaves: list[ArrayLeaf], objects: list[Any], pool: StagingPool
-                 ) -> None:
+    def __init__(self, leaves: list[ArrayLeaf], objects: list[Any], pool: StagingPool,
+                 turns: Turns | None = None) -> None:
         self.leaves = leaves
         self.pool = pool
         #: where blobs are written when not through the store itself (a writer process)
         self.sink = pool.sink
-        #: the writer's Turns, once it runs: a guard lends it the trainer's core while the
+        #: the save's Turns (the writer's): a guard lends them the trainer's core while the
         #: trainer waits
-        self.turns: Turns | None = None
+        self.turns = turns
         self.sources = [_version_source(o) for o in objects]
         self.versions = [None if s is None else int(s._version) for s in self.sources]
         self.events = [threading.Event() for _ in leaves]
@@ -267,6 +238,41 @@ def guard_target(optimizer: Any) -> Any | None:
             return obj
         obj = getattr(obj, "optimizer", None) or getattr(obj, "_optimizer", None)
     return None
+
+
+class Tracking(Protocol):
+    """What the writer's jobs need of an overlapped save (an Overlap, or a Remapped view)."""
+
+    @property
+    def pool(self) -> StagingPool: ...
+
+    def expect(self, counts: dict[int, int]) -> None: ...
+
+    def check(self, i: int) -> None: ...
+
+    def copied(self, i: int) -> None: ...
+
+
+class Remapped:
+    """An Overlap seen through a map from the writer's part index to the state's leaf index
+    (a collective save hands the writer one part per chunk it owns)."""
+
+    def __init__(self, overlap: Tracking, leaf_of: Sequence[int]) -> None:
+        self._overlap = overlap
+        self._leaf_of = leaf_of
+        self.pool = overlap.pool
+
+    def expect(self, counts: dict[int, int]) -> None:
+        total: dict[int, int] = {}
+        for j, n in counts.items():
+            total[self._leaf_of[j]] = total.get(self._leaf_of[j], 0) + n
+        self._overlap.expect(total)
+
+    def check(self, j: int) -> None:
+        self._overlap.check(self._leaf_of[j])
+
+    def copied(self, j: int) -> None:
+        self._overlap.copied(self._leaf_of[j])
 
 
 def optimizer_tensors(optimizer: Any) -> list[Any]:

@@ -16,44 +16,27 @@ not serve it) so the caller can repair them. `bytes_by_source[i]` counts what st
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..concurrency import completed
 from ..errors import IntegrityError, ObjectNotFoundError, ShortReadError, StoreError
-from ..format.hashing import XXH3_128, HashAlgorithm
+from ..format.hashing import XXH3_128
 from ..format.manifest import ChunkRef, TensorEntry
 from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
+from .options import LoadOptions
 from .ranges import merge_ranges
 
 MiB = 1 << 20
 MERGE_GAP = 1 * MiB  # read across gaps up to this size instead of issuing another request
 MERGE_LIMIT = 64 * MiB  # never merge reads into one larger than this
-
-
-def default_load_workers() -> int:
-    """Restore threads: twice the cores, 4 to 8. More threads than that only add contention
-    on small machines (measured: 4 beat 8 by 5-15% on 2 cores, local and S3)."""
-    return min(8, max(4, 2 * (os.cpu_count() or 2)))
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    workers: int = field(default_factory=default_load_workers)
-    max_inflight_bytes: int = 512 * MiB
-    hash: HashAlgorithm = XXH3_128  # the repository's: every chunk is checked with it
-
-    def __post_init__(self) -> None:
-        if self.workers < 1 or self.max_inflight_bytes < 1:
-            raise ValueError("workers and max_inflight_bytes must be positive")
 
 
 @dataclass(frozen=True)

@@ -1,33 +1,32 @@
-"""The save pipeline: plan chunks -> (stage) -> hash -> (compress) -> write, then commit.
+"""Writing a save: chunk and pack jobs -> (stage) -> hash -> (compress) -> write, then commit.
 
-Jobs (one per row block, one per pack of small arrays) run on a bounded thread pool; each job
-takes its bytes straight from the caller's arrays when they are contiguous, so a synchronous
-save copies nothing. Extra memory (copies of non-contiguous blocks, compressed output, pack
-buffers) is bounded by a ByteBudget. xxhash, numcodecs and file/socket I/O release the GIL.
+The plan (which chunks, who writes which) comes from pipeline/planning.py. Jobs (one per row
+block, one per pack of small arrays) run on a bounded thread pool; each job takes its bytes
+straight from the caller's arrays when they are contiguous, so a synchronous save copies
+nothing. Extra memory (copies of non-contiguous blocks, compressed output, pack buffers) is
+bounded by a ByteBudget. xxhash, numcodecs and file/socket I/O release the GIL.
 
 Commit order (docs/format.md): every blob is written, then `store.sync()` makes them durable,
 then the manifest is created create-only. Any failure before the commit leaves no checkpoint;
 the blobs already written are unreferenced and later reclaimed by gc.
 
-Why one module of ~530 lines: planning, the chunk and pack jobs and the commit share the
-writer's claim set, stats and memory budget; split, each part would reach into the others.
+The jobs and the commit share the writer's claim set, stats and memory budget: they stay in
+one module.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ..concurrency import BOOST_THREADS, Turns, completed
+from ..concurrency import Turns, completed
 from ..errors import (
     CheckpointExistsError,
     CkptStoreError,
@@ -36,88 +35,20 @@ from ..errors import (
     UnsupportedTypeError,
 )
 from ..format.codecs import Codec
-from ..format.dtypes import DType
-from ..format.hashing import XXH3_128, HashAlgorithm
 from ..format.leaf import ArrayLeaf
 from ..format.manifest import ChunkRef, Manifest, StorageRef, TensorEntry, expected_chunk_count
 from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
-
-if TYPE_CHECKING:
-    from .overlap import Overlap
+from .options import SaveOptions
+from .overlap import Overlap, Remapped, Tracking
+from .planning import LeafPlan, TensorSpec, pack_groups, plan_leaves
+from .planning import rows_per_chunk as rows_per_chunk  # re-exported: older imports
 
 MiB = 1 << 20
 #: A save copies the small arrays it would reuse from a pack into its own new pack when they
 #: are less than this fraction of that pack's bytes (see CheckpointWriter._mostly_dead).
 RECLAIM_LIVE_FRACTION = 0.5
-
-
-@dataclass(frozen=True)
-class SaveOptions:
-    """Tuning of one save. `chunk_bytes`: target raw size of a row block and of a pack;
-    arrays of at most `pack_threshold` bytes are packed together; `max_inflight_bytes` bounds
-    the extra memory the pipeline allocates; `workers` is the thread-pool size.
-
-    A save that runs beside training (`background`: `save_async`) works on at most
-    `background_workers` threads at once (each takes a core from the training step), and
-    up to `background_io` more wait in blocking writes (concurrency.Turns)."""
-
-    chunk_bytes: int = 16 * MiB
-    pack_threshold: int = 256 * 1024
-    compression: Codec | None = None
-    workers: int = 8
-    max_inflight_bytes: int = 512 * MiB
-    hash: HashAlgorithm = XXH3_128  # the repository's: names every chunk
-    background_workers: int = 1
-    background_io: int = 0
-    #: who writes the blobs of an overlapped save: "thread" (threads of this process),
-    #: "process" (a writer process sharing the staging slots: pipeline/writer_process.py)
-    #: or "auto" (a writer process for a local folder, else threads)
-    async_writer: str = "auto"
-    background: bool = False
-
-    def __post_init__(self) -> None:
-        if self.chunk_bytes < 1 or self.pack_threshold < 0 or self.workers < 1 \
-                or self.background_workers < 1 or self.background_io < 0:
-            raise ValueError("chunk_bytes and workers must be positive, pack_threshold and "
-                             "background_io >= 0")
-        if self.pack_threshold > self.chunk_bytes:
-            raise ValueError("pack_threshold cannot exceed chunk_bytes")
-
-    def for_background(self) -> SaveOptions:
-        """The options of a save written beside training (staged at call time): threads for
-        its turns, and for those lent while the caller waits for it (concurrency.Turns)."""
-        return replace(self, background=True,
-                       workers=self.background_workers + self.background_io + BOOST_THREADS)
-
-
-@dataclass(frozen=True)
-class SaveInfo:
-    """What a save did. Bytes are raw (logical) unless named `stored`."""
-
-    name: str
-    tensors: int
-    logical_bytes: int
-    written_bytes: int  # stored bytes sent to the store by this save
-    reused_bytes: int  # logical bytes not written because the store had them already
-    chunks_written: int
-    chunks_reused: int
-    seconds: float  # wall time from call to commit
-    blocked_seconds: float  # time the caller waited (async saves: staging only)
-    # seconds per stage, summed over workers (and so including their waits for the GIL):
-    # stage (copies), hash, lookup (digest + dedup lookup of small packed arrays), compress,
-    # write, commit
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    peak_extra_bytes: int = 0
-    staging: str = "copy"  # async saves: "copy" (staged at call) or "overlap" (in background)
-    guard_wait_seconds: float = 0.0  # overlap: time optimizer.step() waited (guards)
-    copied_at_call_bytes: int = 0  # overlap: bytes copied at call time (numpy, copy_keys)
-
-    @property
-    def throughput(self) -> float:
-        """Logical bytes per second of wall time."""
-        return self.logical_bytes / self.seconds if self.seconds > 0 else float("inf")
 
 
 class KnownChunks:
@@ -193,15 +124,6 @@ class _Stats:
             self.chunks_reused += 1 if reused else 0
 
 
-def rows_per_chunk(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> int:
-    """Rows of dim 0 per chunk: about `chunk_bytes`, at least one row, at most all rows."""
-    if not shape:
-        return 1
-    row = math.prod(shape[1:]) * itemsize
-    rows = max(1, chunk_bytes // row) if row else max(1, shape[0])
-    return max(1, min(rows, shape[0]))
-
-
 def storage_refs(leaves: list[ArrayLeaf]) -> list[StorageRef | None]:
     """StorageRef for every torch leaf whose storage is shared with another leaf, else None."""
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -234,8 +156,10 @@ class CheckpointWriter:
     `turns` (default: `background_turns(options)`) is shared with whoever may lend the save
     a core while waiting for it (SaveHandle.wait, a guarded step)."""
 
-    def __init__(self, store: Store, options: SaveOptions, known: KnownChunks,
-                 turns: Turns | None = None) -> None:
+    def __init__(self, store: Store, options: SaveOptions, known: KnownChunks, *,
+                 turns: Turns | None = None, overlap: Overlap | None = None,
+                 not_before: float = 0.0,
+                 before_commit: Callable[[Manifest, set[str]], None] | None = None) -> None:
         self.store = store
         self.options = options
         self.known = known
@@ -248,14 +172,14 @@ class CheckpointWriter:
         #: Commit order: the manifest's `created` is at least this (the newest checkpoint's
         #: `created` plus a millisecond), so a save commits after every checkpoint it saw,
         #: whatever this host's clock says.
-        self.not_before = 0.0
+        self.not_before = not_before
         #: Called after the blobs are durable and before the manifest is created, with the
         #: manifest and the blobs it references that this writer did not write (reused from
         #: earlier checkpoints); raising stops the commit.
-        self.before_commit: Callable[[Manifest, set[str]], None] | None = None
+        self.before_commit = before_commit
         #: Overlapped staging (pipeline/overlap.py): leaves are the caller's live arrays;
         #: every block is copied into a budgeted slot, checked, then hashed and written.
-        self.overlap: Overlap | None = None
+        self.overlap = overlap
         #: A save beside training: how many of the pool's threads work at once
         self.turns = turns if turns is not None else background_turns(options)
 
@@ -278,10 +202,10 @@ class CheckpointWriter:
             (self.store if sink is None else sink).put(blob_key(blob), data)
         return True
 
-    def _chunk_job(self, leaf: ArrayLeaf, start: int, stop: int, index: int = -1) -> ChunkRef:
+    def _chunk_job(self, leaf: ArrayLeaf, start: int, stop: int, index: int,
+                   overlap: Tracking | None) -> ChunkRef:
         block = leaf.array[start:stop] if leaf.array.ndim else leaf.array
-        overlap = self.overlap
-        if overlap is None or index < 0:
+        if overlap is None:
             need_copy = not block.flags.c_contiguous
             with self.budget.hold(block.nbytes if need_copy else 0), self._turn():
                 if need_copy:
@@ -330,10 +254,10 @@ class CheckpointWriter:
         self.known.add(ref, codec)
         return ref
 
-    def _pack_job(self, members: list[tuple[int, ArrayLeaf]]) -> dict[int, ChunkRef]:
+    def _pack_job(self, members: list[tuple[int, ArrayLeaf]], overlap: Tracking | None
+                  ) -> dict[int, ChunkRef]:
         """Pack small arrays into one blob; members already known are referenced, not packed.
         Per member only a digest and a lookup: the stats are summed once per pack."""
-        overlap = self.overlap
         if overlap is None:
             with self._turn():
                 return self._pack_of(members, hold=True)
@@ -421,29 +345,35 @@ class CheckpointWriter:
         return refs
 
     # ---------------------------------------------------------------- blobs of many leaves
-    def write_blobs(self, leaves: list[ArrayLeaf], plans: list[LeafPlan]
-                    ) -> dict[tuple[int, int], ChunkRef]:
+    def write_blobs(self, leaves: list[ArrayLeaf], plans: list[LeafPlan],
+                    leaf_of: Sequence[int] | None = None) -> dict[tuple[int, int], ChunkRef]:
         """Write the chunks `plans` assign to this process, in parallel. Returns
         {(leaf index, global chunk index): ChunkRef}. Blobs are not yet durable: call
-        `store.sync()` before committing a manifest that references them."""
+        `store.sync()` before committing a manifest that references them. `leaf_of[i]`: the
+        index in the save's state of `leaves[i]` (a collective save hands the writer one part
+        per chunk it owns): what an overlapped save tracks."""
         opts = self.options
         refs: dict[tuple[int, int], ChunkRef] = {}
         packed = [i for i, p in enumerate(plans) if p.packed and p.writes_any]
-        with cf.ThreadPoolExecutor(opts.workers, thread_name_prefix="ckpt-save") as pool:
+        overlap: Tracking | None = self.overlap
+        if overlap is not None and leaf_of is not None:
+            overlap = Remapped(overlap, leaf_of)
+        with cf.ThreadPoolExecutor(opts.threads(), thread_name_prefix="ckpt-save") as pool:
             futures: dict[cf.Future[Any], tuple[int, int]] = {}
             blocks = [(i, c, start, stop) for i, (leaf, plan) in enumerate(zip(leaves, plans))
                       if not plan.packed for c, start, stop in plan.local_chunks(leaf)]
-            groups = list(_pack_groups(packed, leaves, opts.chunk_bytes))
-            if self.overlap is not None:  # blocks to copy per leaf, known before any job runs
-                self.overlap.turns = self.turns
+            groups = list(pack_groups(packed, leaves, opts.chunk_bytes))
+            if overlap is not None:  # blocks to copy per leaf, known before any job runs
                 counts: dict[int, int] = defaultdict(int)
                 for i in [b[0] for b in blocks] + [i for group in groups for i in group]:
                     counts[i] += 1
-                self.overlap.expect(counts)
+                overlap.expect(counts)
             for i, c, start, stop in blocks:
-                futures[pool.submit(self._chunk_job, leaves[i], start, stop, i)] = (i, c)
+                futures[pool.submit(self._chunk_job, leaves[i], start, stop, i,
+                                    overlap)] = (i, c)
             for group in groups:
-                futures[pool.submit(self._pack_job, [(i, leaves[i]) for i in group])] = (-1, -1)
+                futures[pool.submit(self._pack_job, [(i, leaves[i]) for i in group],
+                                    overlap)] = (-1, -1)
             for done in completed(futures):
                 i, c = futures[done]
                 if i >= 0:
@@ -507,73 +437,6 @@ class CheckpointWriter:
         return manifest
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """What the manifest needs of a leaf besides its chunks: the global geometry."""
-
-    key: str
-    kind: str
-    dtype: DType
-    shape: tuple[int, ...]  # global shape
-    requires_grad: bool = False
-    parameter: bool = False
-
-    @staticmethod
-    def of(leaf: ArrayLeaf, global_shape: tuple[int, ...] | None = None) -> TensorSpec:
-        shape = tuple(int(s) for s in leaf.array.shape) if global_shape is None else global_shape
-        return TensorSpec(leaf.key, leaf.kind, leaf.dtype, shape, leaf.requires_grad,
-                          leaf.parameter)
-
-
-@dataclass(frozen=True)
-class LeafPlan:
-    """How one leaf is chunked and which of its chunks this process writes.
-
-    `chunk_rows` is the global row-block size; this process holds global rows
-    [row_offset, row_offset + local rows) and writes the global chunks in `owned` (None: every
-    chunk it holds). Packed leaves form one chunk and are written whole."""
-
-    chunk_rows: int
-    packed: bool = False
-    row_offset: int = 0
-    owned: frozenset[int] | None = None
-
-    @property
-    def writes_any(self) -> bool:
-        return self.owned is None or bool(self.owned)
-
-    def local_chunks(self, leaf: ArrayLeaf) -> Iterator[tuple[int, int, int]]:
-        """(global chunk index, local start row, local stop row) of the chunks to write."""
-        if leaf.nbytes == 0:
-            return
-        if leaf.array.ndim == 0:
-            if self.owned is None or 0 in self.owned:
-                yield (0, 0, 1)
-            return
-        n_local = leaf.array.shape[0]
-        if self.row_offset % self.chunk_rows:
-            raise ValueError(f"{leaf.key}: shard offset {self.row_offset} is not a multiple of "
-                             f"the chunk rows {self.chunk_rows}")
-        first = self.row_offset // self.chunk_rows
-        for k, start in enumerate(range(0, n_local, self.chunk_rows)):
-            c = first + k
-            if self.owned is None or c in self.owned:
-                yield (c, start, min(n_local, start + self.chunk_rows))
-
-
-def plan_leaves(leaves: list[ArrayLeaf], options: SaveOptions) -> list[LeafPlan]:
-    """Single-process plan: small leaves packed, the rest in row blocks of ~chunk_bytes."""
-    plans = []
-    for leaf in leaves:
-        if 0 < leaf.nbytes <= options.pack_threshold:
-            rows = max(1, leaf.array.shape[0]) if leaf.array.ndim else 1
-            plans.append(LeafPlan(rows, packed=True))
-        else:
-            plans.append(LeafPlan(rows_per_chunk(tuple(leaf.array.shape), leaf.dtype.itemsize,
-                                                 options.chunk_bytes)))
-    return plans
-
-
 def build_entries(specs: list[TensorSpec], plans: list[LeafPlan],
                   refs: dict[tuple[int, int], ChunkRef], compression: Codec | None,
                   storage: list[StorageRef | None] | None = None) -> tuple[TensorEntry, ...]:
@@ -592,17 +455,3 @@ def build_entries(specs: list[TensorSpec], plans: list[LeafPlan],
             chunks=chunks, requires_grad=spec.requires_grad, parameter=spec.parameter,
             storage=None if storage is None else storage[i]))
     return tuple(entries)
-
-
-def _pack_groups(indices: list[int], leaves: list[ArrayLeaf], limit: int) -> Iterator[list[int]]:
-    group: list[int] = []
-    size = 0
-    for i in indices:
-        n = leaves[i].nbytes
-        if group and size + n > limit:
-            yield group
-            group, size = [], 0
-        group.append(i)
-        size += n
-    if group:
-        yield group

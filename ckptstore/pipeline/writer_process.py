@@ -256,18 +256,30 @@ class WriterProcess:
             self._send_map(conn, slot)
 
     def _request(self, message: dict[str, Any], payload: Buffer | None = None) -> None:
-        fut: cf.Future[None] = cf.Future()
-        with self._lock:
-            conn = self._started()
-            message["id"] = rid = next(self._ids)
-            conn.pending[rid] = fut
-            try:
-                conn.sock.sendall((json.dumps(message) + "\n").encode())
-                if payload is not None:
-                    conn.sock.sendall(payload)
-            except OSError:
-                pass  # the writer died: its reply reader fails the request
-        fut.result()
+        """Send one request and wait for its answer. A writer found dead while sending (it
+        ended while idle, before its reply reader noticed: `Popen.poll` cannot tell while
+        that thread waits on the process) never received the request whole, so it is sent
+        once more to a new writer; a writer that dies after receiving it fails it."""
+        for attempt in (1, 2):
+            fut: cf.Future[None] = cf.Future()
+            with self._lock:
+                conn = self._started()
+                message["id"] = rid = next(self._ids)
+                conn.pending[rid] = fut
+                try:
+                    conn.sock.sendall((json.dumps(message) + "\n").encode())
+                    if payload is not None:
+                        conn.sock.sendall(payload)
+                except OSError:
+                    conn.pending.pop(rid, None)
+                    if self._conn is conn:
+                        self._conn = None  # dead: the next request starts another writer
+                    if attempt == 1:
+                        continue
+                    raise StoreError("the writer process could not be reached; nothing was "
+                                     "committed") from None
+            fut.result()
+            return
 
     def put(self, key: str, data: Buffer) -> None:
         """Write `data` as `key` in the writer process (like Store.put); returns when written."""

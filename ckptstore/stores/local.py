@@ -20,7 +20,7 @@ is ever followed. Every operation walks from a descriptor of the root one folder
 and an object (a folder such as ``blobs/ab``, or the object itself) raises StoreError naming
 the key, and no read or write leaves the root, even if a link appears while we work.
 
-Why one module of ~470 lines: the descriptor walk (no symlinks), temp-file writes and folder
+Why one module: the descriptor walk (no symlinks), temp-file writes and folder
 fsyncs are one protocol; every operation uses all three.
 """
 

@@ -22,7 +22,7 @@ Contracts, on top of the ones in `base`:
 * The caller's buffer is read, never copied whole, and must not change until `put`/`create`
   returns. `read_into` fills the caller's buffer in 1 MiB steps (one small copy each).
 
-Why one module of ~840 lines: S3's retry, resume, conditional-create and multipart rules
+Why one module: S3's retry, resume, conditional-create and multipart rules
 interact (a retried create reads back, a resumed read pins the ETag, a failed multipart
 aborts); they are kept in one place on purpose.
 """

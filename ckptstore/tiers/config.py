@@ -70,3 +70,10 @@ def expand(uri: TierURI, *, rank: int, node: int | str, local_rank: int = 0) -> 
 
 def has_placeholders(uri: TierURI) -> bool:
     return not isinstance(uri, Store) and bool(_PLACEHOLDER.search(os.fspath(uri)))
+
+
+def check_filled(uris: Sequence[TierURI]) -> None:
+    """InvalidNameError if a tier URI still holds a {rank}/{node}/{local_rank} placeholder."""
+    if any(has_placeholders(u) for u in uris):
+        raise InvalidNameError("tier URIs with {rank}/{node}/{local_rank} must be filled in "
+                               "first (CheckpointManager does it; or tiers.config.expand)")

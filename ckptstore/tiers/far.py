@@ -34,6 +34,7 @@ from ..errors import (
     ObjectNotFoundError,
     ShortReadError,
     StoreError,
+    TierUnreachableError,
 )
 from ..redact import redact_text
 from ..stores.base import Buffer, ObjectInfo, Store
@@ -44,10 +45,6 @@ ANSWERS = (ObjectNotFoundError, ObjectExistsError, ShortReadError)
 FIRST_RETRY_AFTER = 2.0
 MAX_RETRY_AFTER = 60.0
 
-
-class TierUnreachableError(StoreError):
-    """A far tier cannot be reached now (not opened yet, or down since a recent failure);
-    transient: retried by the replicator."""
 
 
 class FarTier(Store):

@@ -1,20 +1,11 @@
 """Replication: copying a committed checkpoint to a later tier, and the background worker.
 
-Contract of `replicate_checkpoint(name, sources, dst)`, the one step (idempotent, resumable):
-
-1. Take a save lease on `dst` (a gc there waits; maintenance/leases.py). The sources take
-   none: retention never deletes a checkpoint from tier 0 while its pending record exists,
-   so its blobs stay referenced there (a lease would make every retention sweep on tier 0
-   skip while replication runs).
-2. If `dst` holds the manifest already: identical bytes -> done (nothing sent); other bytes
-   -> CheckpointExistsError (never overwritten).
-3. Blobs `dst` lacks are found (those of the parent's manifest on `dst` are known present,
-   the rest are asked with `exists`), read from the nearest source holding a good copy,
-   re-hashed and compared with their names (IntegrityError when no source has one), written.
-   If a gc may have swept `dst` meanwhile (its sweep marker changed), the blobs assumed
-   present are asked again and any gone are sent too, as a save confirms what it reuses.
-4. `dst.sync()`: every blob durable; then the source manifest's exact bytes are created
-   create-only. A far tier never lists a checkpoint whose chunks it lacks, at any instant.
+`replicate_checkpoint(name, sources, dst)` is one step: the copy protocol of
+maintenance/transfer.py for one checkpoint (idempotent, resumable; the sources, nearer
+tiers, take no lease: retention never deletes a checkpoint from tier 0 while its pending
+record exists, so its blobs stay referenced there, and a lease would make every retention
+sweep on tier 0 skip while replication runs). A far tier never lists a checkpoint whose
+chunks it lacks, at any instant.
 
 `Replicator` runs those steps on one background thread, in submission order, retrying
 transient store errors (StoreError/OSError other than integrity and conflicts) with
@@ -24,47 +15,30 @@ tier 0 (so a reopen tries again) and its error is raised by `wait()`.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..concurrency import completed
 from ..errors import (
     CheckpointExistsError,
     CkptStoreError,
     FormatError,
     IntegrityError,
     InvalidNameError,
-    ObjectExistsError,
-    ObjectNotFoundError,
+    ReplicationError,
 )
 from ..format.hashing import HashAlgorithm
-from ..format.manifest import Manifest
-from ..format.manifest_parse import parse_manifest
-from ..layout import blob_key, manifest_key
+from ..layout import manifest_key
 from ..maintenance import leases
-from ..pipeline.budget import ByteBudget
+from ..maintenance.transfer import transfer
 from ..stores.base import Store
 from . import pending
 
 MiB = 1 << 20
 log = logging.getLogger("ckptstore")
 Progress = Callable[[int], None]
-
-
-class ReplicationError(CkptStoreError):
-    """A checkpoint could not be replicated to a tier (after retries); its copy on the nearer
-    tiers is intact and its pending record stays, so reopening the store tries again."""
-
-    def __init__(self, name: str, target: str, cause: BaseException, attempts: int) -> None:
-        super().__init__(f"replication of checkpoint {name!r} to {target} gave up after "
-                         f"{attempts} attempt(s): {type(cause).__name__}: {cause}")
-        self.name = name
-        self.target = target
-        self.cause = cause
 
 
 @dataclass(frozen=True)
@@ -85,109 +59,22 @@ class ReplicationResult:
 PERMANENT = (IntegrityError, CheckpointExistsError, FormatError, InvalidNameError)
 
 
-def read_manifest(sources: Sequence[Store], name: str, algorithm: HashAlgorithm
-                  ) -> tuple[bytes, Manifest] | None:
-    """The exact bytes and parse of `name`'s manifest from the nearest source holding a
-    readable one, or None if none holds it."""
-    for store in sources:
-        try:
-            raw = store.get(manifest_key(name))
-            return raw, parse_manifest(raw, name, algorithm)
-        except ObjectNotFoundError:
-            continue
-        except FormatError as exc:
-            log.warning("manifest of %r in %s is unreadable (%s); trying the next tier",
-                        name, store.uri, exc)
-    return None
-
-
-def fetch_verified(blob: str, sources: Sequence[Store], algorithm: HashAlgorithm) -> bytes:
-    """The bytes of `blob` from the nearest source whose copy matches its digest."""
-    problems = []
-    for store in sources:
-        try:
-            data = store.get(blob_key(blob))
-        except ObjectNotFoundError:
-            problems.append(f"missing from {store.uri}")
-            continue
-        if algorithm.digest(data) == blob:
-            return data
-        problems.append(f"corrupt in {store.uri}")
-    raise IntegrityError(f"blob {blob} has no good copy: {'; '.join(problems)}")
-
-
-def blob_extents(manifest: Manifest) -> dict[str, int]:
-    """{blob: the bytes of it the manifest uses} (offset + size of its furthest chunk): a
-    copy of the blob shorter than that cannot serve the checkpoint."""
-    sizes: dict[str, int] = {}
-    for t in manifest.tensors:
-        for c in t.chunks:
-            sizes[c.blob] = max(sizes.get(c.blob, 0), c.offset + c.size)
-    return sizes
-
-
 def replicate_checkpoint(name: str, sources: Sequence[Store], dst: Store,
                          algorithm: HashAlgorithm, *, workers: int = 8,
                          max_inflight_bytes: int = 256 * MiB,
                          progress: Progress | None = None,
                          on_total: Progress | None = None) -> ReplicationResult | None:
-    """Copy checkpoint `name` from the nearest of `sources` that holds it to `dst` (module
-    contract). Returns None when no source holds the checkpoint any more (deleted)."""
-    t0 = time.perf_counter()
-    found = read_manifest(sources, name, algorithm)
-    if found is None:
+    """Copy checkpoint `name` from the nearest of `sources` that holds it to `dst`: the one
+    copy protocol (maintenance/transfer.py), for one checkpoint. Returns None when no source
+    holds the checkpoint any more (deleted)."""
+    done = transfer([name], sources, dst, algorithm, workers=workers,
+                    max_inflight_bytes=max_inflight_bytes, progress=progress,
+                    on_total=on_total)
+    if done.gone:
         return None
-    raw, manifest = found
-    with leases.save_lease(dst) as lease:
-        try:
-            existing: bytes | None = dst.get(manifest_key(name))
-        except ObjectNotFoundError:
-            existing = None
-        sizes = blob_extents(manifest)
-        if existing is not None:
-            if existing != raw:
-                raise CheckpointExistsError(f"checkpoint {name!r} exists in {dst.uri} with "
-                                            "other content; it was not touched")
-            return ReplicationResult(name, dst.uri, manifest.created, len(sizes), 0, 0, True,
-                                     time.perf_counter() - t0)
-        known: set[str] = set()
-        if manifest.parent is not None:  # a committed manifest's blobs are all there
-            parent = read_manifest([dst], manifest.parent, algorithm)
-            if parent is not None:
-                known = parent[1].blob_digests()
-        ask = sorted(b for b in sizes if b not in known)
-        with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-repl") as pool:
-            present = dict(zip(ask, pool.map(lambda b: dst.exists(blob_key(b)), ask)))
-            missing = [b for b in ask if not present[b]]
-            if on_total is not None:
-                on_total(sum(sizes[b] for b in missing))
-            budget = ByteBudget(max_inflight_bytes)
-
-            def send(blob: str) -> int:
-                with budget.hold(sizes[blob]):
-                    data = fetch_verified(blob, sources, algorithm)
-                    dst.put(blob_key(blob), data)
-                if progress is not None:
-                    progress(len(data))
-                return len(data)
-
-            sent = sum(f.result() for f in completed(pool.submit(send, b) for b in missing))
-            if lease.sweep_may_have_run():  # belt and braces, as a save does (leases.py)
-                assumed = sorted(set(sizes) - set(missing))
-                gone = [b for b, ok in zip(assumed, pool.map(
-                    lambda b: dst.exists(blob_key(b)), assumed)) if not ok]
-                sent += sum(f.result() for f in completed(pool.submit(send, b) for b in gone))
-                missing += gone
-        dst.sync()  # every blob durable before the manifest exists
-        lease.check()
-        try:
-            dst.create(manifest_key(name), raw)
-        except ObjectExistsError:
-            raise CheckpointExistsError(f"checkpoint {name!r} appeared in {dst.uri} with other "
-                                        "content during replication; it was not touched"
-                                        ) from None
-    return ReplicationResult(name, dst.uri, manifest.created, len(sizes), len(missing), sent,
-                             False, time.perf_counter() - t0)
+    return ReplicationResult(name, dst.uri, done.created[name], done.blobs_needed,
+                             done.blobs_sent, done.bytes_sent, bool(done.skipped),
+                             done.seconds)
 
 
 @dataclass(frozen=True)

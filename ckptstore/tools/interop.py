@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from ..deps import require
-from ..errors import CkptStoreError, FormatError, MissingDependencyError
+from ..errors import FormatError, MissingDependencyError, TrustRequiredError
 from ..format.manifest import Manifest
 from ..maintenance import leases
 from ..repository import REPO_DEFAULT, CheckpointStore, Compression
@@ -68,9 +68,6 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 DCP_METADATA = ".metadata"
 INDEX_SUFFIX = ".safetensors.index.json"
 
-
-class TrustRequiredError(CkptStoreError, PermissionError):
-    """The source can only be read by unpickling it; the caller did not say it trusts it."""
 
 
 class ExportWarning(UserWarning):

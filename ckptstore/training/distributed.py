@@ -20,11 +20,8 @@ never interleaves with the trainer's own collectives.
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -40,17 +37,12 @@ from ..errors import CkptStoreError
 from ..format.canonical import canonical_json
 from ..format.codecs import Codec
 from ..format.leaf import ArrayLeaf
-from ..format.manifest import ChunkRef, Manifest, StorageRef, TensorEntry, chunk_region
-from ..format.regions import Box, Runs, block_runs, boxes
+from ..format.manifest import ChunkRef, Manifest, StorageRef, TensorEntry
+from ..format.regions import Runs, block_runs, boxes
 from ..pipeline.commit import SaveRequest
-from ..pipeline.writer import (
-    CheckpointWriter,
-    LeafPlan,
-    SaveInfo,
-    SaveOptions,
-    rows_per_chunk,
-    storage_refs,
-)
+from ..pipeline.options import SaveInfo
+from ..pipeline.planning import LeafPlan, TensorLayout, plan_collective
+from ..pipeline.writer import CheckpointWriter, storage_refs
 
 
 def is_distributed() -> bool:
@@ -108,211 +100,6 @@ def _first_error(items: list[Any]) -> str | None:
         if isinstance(item, dict) and "error" in item:
             return str(item["error"])
     return None
-
-
-def _divisors_up_to(n: int, limit: int) -> int:
-    """The largest divisor of `n` that is at most `limit` (n >= 1)."""
-    best = 1
-    d = 1
-    while d * d <= n:
-        if n % d == 0:
-            for cand in (d, n // d):
-                if cand <= limit and cand > best:
-                    best = cand
-        d += 1
-    return best
-
-
-def _aligned_chunk_rows(bounds: set[int], target: int, row_bytes: int, chunk_bytes: int) -> int:
-    """Rows per chunk such that every shard boundary falls on a chunk boundary."""
-    g = 0
-    for b in bounds:
-        g = math.gcd(g, b)
-    if g == 0:
-        return target
-    best = _divisors_up_to(g, target)
-    if best * row_bytes * 8 < chunk_bytes and g * row_bytes <= 8 * chunk_bytes:
-        return g  # one larger chunk per boundary beats many tiny ones
-    return best
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """The global chunking of one tensor (what the manifest records) and the rank that
-    writes each chunk. `chunk_shape` is None for row blocks of `chunk_rows` rows."""
-
-    shape: tuple[int, ...]
-    chunk_rows: int
-    chunk_shape: tuple[int, ...] | None
-    packed: bool
-    owners: tuple[int, ...]  # owners[c]: the rank writing chunk c
-    small: bool = False  # a sharded tensor of at most pack_threshold bytes: chunks packed
-
-    def block(self) -> tuple[int, ...]:
-        if self.chunk_shape is not None:
-            return self.chunk_shape
-        return (self.chunk_rows, *self.shape[1:]) if self.shape else ()
-
-    def region(self, c: int) -> tuple[tuple[int, int], ...]:
-        if self.packed:
-            return tuple((0, n) for n in self.shape)
-        return chunk_region(self.shape, self.block(), c)
-
-
-def _regions(descs: list[list[dict[str, Any]]], i: int) -> list[list[Box]]:
-    """Every rank's boxes of leaf i (none: it holds no element)."""
-    return [boxes(tuple(tuple(tuple(run) for run in dim) for dim in r[i]["runs"]))
-            for r in descs]
-
-
-#: the chunks of a tensor the saving ranks shard are cut at most 1/RESHARD_SPLIT of a shard
-#: wide on each dim (of the whole dim where no rank splits it), so that a job sharding any
-#: dim up to that many times finer reads no more than it needs...
-RESHARD_SPLIT = 4
-#: ...as long as chunks stay at least this big (or chunk_bytes, if smaller)
-MIN_RESHARD_CHUNK = 4 << 20
-
-
-def _chunk_grid(key: str, gshape: tuple[int, ...], itemsize: int,
-                regions: list[list[Box]], options: SaveOptions
-                ) -> tuple[int, tuple[int, ...] | None]:
-    """(chunk_rows, chunk_shape or None for row blocks) such that every shard boundary of
-    every dim falls on a chunk boundary: each chunk then lies whole inside, or wholly outside,
-    each rank's region. Dims other than 0 are split only where some rank's region ends
-    (chunks as wide as the narrowest aligned piece); dim 0 in blocks of about chunk_bytes.
-    Then the chunks of a sharded tensor are cut finer on every dim (RESHARD_SPLIT,
-    MIN_RESHARD_CHUNK) so that restoring with other placements reads only what it needs."""
-    bounds: list[set[int]] = [set() for _ in gshape]
-    for box in (b for rank_boxes in regions for b in rank_boxes):
-        for d, (a, b) in enumerate(zip(box.start, box.stop)):
-            bounds[d].update(x for x in (a, b) if 0 < x < gshape[d])
-    pieces = []
-    for d in range(len(gshape)):
-        g = 0
-        for b in bounds[d]:
-            g = math.gcd(g, b)
-        pieces.append(g if g else gshape[d])
-    inner_bytes = math.prod(pieces[1:]) * itemsize
-    target = max(1, min(gshape[0], options.chunk_bytes // inner_bytes if inner_bytes else 1))
-    extents = [_aligned_chunk_rows(bounds[0], target, inner_bytes, options.chunk_bytes),
-               *pieces[1:]]
-    if any(bounds):  # a sharded tensor: any dim may be sharded differently on restore
-        _refine(extents, pieces, itemsize, min(options.chunk_bytes, MIN_RESHARD_CHUNK))
-    if not any(bounds[1:]) and extents[1:] == list(gshape[1:]):
-        return extents[0], None
-    return extents[0], tuple(extents)
-
-
-def _refine(extents: list[int], pieces: list[int], itemsize: int, min_bytes: int) -> None:
-    """Halve (by divisors, keeping alignment) the chunk extent of the dim that is widest
-    relative to its pieces (a saving shard's extent; the whole dim where none splits it),
-    while it is wider than 1/RESHARD_SPLIT of a piece and the chunk stays at least
-    `min_bytes`."""
-    live = list(range(len(extents)))
-    while live:
-        d = max(live, key=lambda k: (extents[k] * RESHARD_SPLIT / pieces[k], -k))
-        smaller = _divisors_up_to(extents[d], extents[d] // 2) if extents[d] > 1 else 0
-        trial = math.prod(extents) // extents[d] * smaller * itemsize
-        if (smaller == 0 or extents[d] * RESHARD_SPLIT <= pieces[d] or trial < min_bytes):
-            live.remove(d)
-            continue
-        extents[d] = smaller
-
-
-def _layout(key: str, gshape: tuple[int, ...], itemsize: int, regions: list[list[Box]],
-            options: SaveOptions, load: list[int],
-            shared: list[tuple[int, int, int, tuple[int, ...]]], index: int) -> TensorLayout:
-    """The layout of one tensor. Chunks only one rank holds are assigned at once (counted in
-    `load`); chunks several ranks hold go to `shared` as (bytes, leaf, chunk, holders) for the
-    balancing pass. Owners of shared chunks are filled in later (-1 here)."""
-    nbytes = math.prod(gshape) * itemsize
-    whole = [Box((0,) * len(gshape), (0,) * len(gshape), gshape)]
-    sharded = any(reg != whole for reg in regions)
-    if not sharded and 0 < nbytes <= options.pack_threshold:
-        shared.append((nbytes, index, 0, tuple(range(len(regions)))))
-        return TensorLayout(gshape, max(1, gshape[0]) if gshape else 1, None, True, (-1,))
-    if not gshape:
-        holders = tuple(k for k, reg in enumerate(regions) if reg)
-        shared.append((nbytes, index, 0, holders))
-        return TensorLayout(gshape, 1, None, False, (-1,))
-    if nbytes == 0:
-        return TensorLayout(gshape, rows_per_chunk(gshape, itemsize, options.chunk_bytes),
-                            None, False, ())
-    rows, grid = _chunk_grid(key, gshape, itemsize, regions, options)
-    layout = TensorLayout(gshape, rows, grid, False, ())
-    n_chunks = math.prod(-(-n // c) for n, c in zip(gshape, layout.block()))
-    owners = [-1] * n_chunks
-    everyone, partial_holders = _holders(layout, regions, whole, n_chunks)
-    for c in range(n_chunks):
-        holders = everyone + tuple(partial_holders[c]) if partial_holders[c] else everyone
-        if not holders:
-            region = layout.region(c)
-            raise CkptStoreError(f"{key}: no rank holds the elements {list(region)} of the "
-                                 f"global shape {list(gshape)}: the ranks' shards do not "
-                                 "cover the tensor")
-        size = math.prod(hi - lo for lo, hi in layout.region(c)) * itemsize
-        if len(holders) == 1:
-            owners[c] = holders[0]
-            load[holders[0]] += size
-        else:
-            shared.append((size, index, c, holders))
-    return TensorLayout(gshape, rows, grid, False, tuple(owners),
-                        small=nbytes <= options.pack_threshold)
-
-
-def _holders(layout: TensorLayout, regions: list[list[Box]], whole: list[Box], n_chunks: int
-             ) -> tuple[tuple[int, ...], list[list[int]]]:
-    """(ranks holding the whole tensor, per chunk the other ranks holding it). Chunk
-    boundaries fall on every box boundary, so each box covers whole chunks: they are listed
-    from the boxes (work in proportion to the chunks held, not chunks x ranks)."""
-    block = layout.block()
-    grid = [-(-n // c) for n, c in zip(layout.shape, block)]
-    everyone = tuple(k for k, reg in enumerate(regions) if reg == whole)
-    others: list[list[int]] = [[] for _ in range(n_chunks)]
-    for k, reg in enumerate(regions):
-        if reg == whole:
-            continue
-        for box in reg:
-            spans = [range(s // c, -(-(s + n) // c)) for s, n, c in
-                     zip(box.start, box.shape, block)]
-            for pos in itertools.product(*spans):
-                index = 0
-                for p, g in zip(pos, grid):
-                    index = index * g + p
-                if box.contains(layout.region(index)):
-                    others[index].append(k)
-    return everyone, others
-
-
-def plan_collective(descs: list[list[dict[str, Any]]], options: SaveOptions
-                    ) -> tuple[list[TensorLayout], list[int]]:
-    """The same plan on every rank: every leaf's layout and the bytes each rank writes.
-
-    A chunk held by one rank only is written by it; a chunk several ranks hold (replicated
-    tensors, replicated mesh dims, whole small tensors packed together) goes, largest first,
-    to the holder with the fewest bytes so far. Every chunk is written exactly once."""
-    world = len(descs)
-    load = [0] * world
-    shared: list[tuple[int, int, int, tuple[int, ...]]] = []
-    layouts: list[TensorLayout] = []
-    for i, d in enumerate(descs[0]):
-        gshape = tuple(d["global"])
-        layouts.append(_layout(d["key"], gshape, _itemsize(d["dtype"]), _regions(descs, i),
-                               options, load, shared, i))
-    owners = [list(layout.owners) for layout in layouts]
-    for nb, i, c, holders in sorted(shared, key=lambda u: (-u[0], u[1], u[2])):
-        k = min(holders, key=lambda r: (load[r], r))
-        load[k] += nb
-        owners[i][c] = k
-    out = [TensorLayout(lay.shape, lay.chunk_rows, lay.chunk_shape, lay.packed, tuple(o),
-                        lay.small) for lay, o in zip(layouts, owners)]
-    return out, load
-
-
-def _itemsize(dtype_name: str) -> int:
-    from ..format.dtypes import by_name
-
-    return by_name(dtype_name).itemsize
 
 
 def _check_agreement(descs: list[list[dict[str, Any]]]) -> None:
@@ -413,13 +200,7 @@ def _write_owned(writer: CheckpointWriter, leaves: list[ArrayLeaf],
             # the chunks of small sharded tensors (FSDP-sharded norms, biases) share blobs
             plans.append(LeafPlan(max(1, region[0][1] - region[0][0]), packed=lay.small))
             where.append((i, c))
-    overlap = writer.overlap
-    if overlap is not None:
-        writer.overlap = _RemappedOverlap(overlap, [i for i, _c in where])  # type: ignore[assignment]
-    try:
-        refs = writer.write_blobs(parts, plans)
-    finally:
-        writer.overlap = overlap
+    refs = writer.write_blobs(parts, plans, leaf_of=[i for i, _c in where])
     return {where[j]: ref for (j, _zero), ref in refs.items()}
 
 
@@ -429,30 +210,6 @@ def _leaf_runs(leaf: ArrayLeaf) -> Runs:
         return leaf.region_runs
     offset = (leaf.row_offset,) + (0,) * (leaf.array.ndim - 1) if leaf.array.ndim else ()
     return block_runs(offset, tuple(int(n) for n in leaf.array.shape))
-
-
-class _RemappedOverlap:
-    """An Overlap seen through a map from the writer's part index to the state's leaf index
-    (the writer numbers the per-chunk parts `_write_owned` hands it)."""
-
-    def __init__(self, overlap: Any, leaf_of: list[int]) -> None:
-        self._overlap = overlap
-        self._leaf_of = leaf_of
-
-    def expect(self, counts: dict[int, int]) -> None:
-        total: dict[int, int] = {}
-        for j, n in counts.items():
-            total[self._leaf_of[j]] = total.get(self._leaf_of[j], 0) + n
-        self._overlap.expect(total)
-
-    def check(self, j: int) -> None:
-        self._overlap.check(self._leaf_of[j])
-
-    def copied(self, j: int) -> None:
-        self._overlap.copied(self._leaf_of[j])
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._overlap, name)
 
 
 def _entries(leaves: list[ArrayLeaf], layouts: list[TensorLayout],

@@ -52,19 +52,20 @@ from ..errors import (
     FormatError,
     IntegrityError,
     KeyMismatchError,
+    LeaseBusyError,
+    TierUnreachableError,
     UnrestorableCheckpointError,
 )
 from ..format.tree import flatten_arrays
 from ..layout import blob_key
 from ..maintenance import leases
 from ..pipeline.commit import Committer, LocalCommitter
-from ..pipeline.overlap import check_staging, guard_target
-from ..pipeline.writer import SaveInfo
+from ..pipeline.options import SaveInfo, Staging
+from ..pipeline.overlap import guard_target
 from ..repository import CheckpointStore, SaveHandle
 from ..stores.base import Store
 from ..tiers import config as tier_config
 from ..tiers import pending
-from ..tiers.far import TierUnreachableError
 from . import distributed as cdist
 from .peers import PeerMap, PeerReplicas, choose_steps, ranks_per_node
 from .retention import Retention, TieredRetention
@@ -95,7 +96,7 @@ class CheckpointManager:
                  staging: str = "copy", max_host_bytes: int | None = None,
                  peer_replicas: int = 0, peer_timeout: float = 300.0,
                  **repo_options: Any) -> None:
-        check_staging(staging, max_host_bytes)
+        stage = Staging(staging, max_host_bytes)  # checked once, before anything opens
         if type(peer_replicas) is not int or peer_replicas < 0:
             raise ValueError(f"peer_replicas must be a non-negative int, got {peer_replicas!r}")
         self.distributed = cdist.is_distributed()
@@ -117,8 +118,8 @@ class CheckpointManager:
             self.repo = CheckpointStore(uris if len(uris) > 1 else uris[0], **repo_options)
         #: async saves only: "copy" stages the whole state at call time (extra host memory =
         #: the state's size); "overlap" copies it in the background within max_host_bytes
-        self.staging = staging
-        self.max_host_bytes = max_host_bytes
+        self.staging = stage.mode
+        self.max_host_bytes = stage.max_host_bytes
         #: per-tier retention and intervals (one tier: just keep_last / keep_every)
         self.tier_policy = TieredRetention.of(len(self.repo.tiers), keep_last, keep_every,
                                               every)
@@ -361,7 +362,7 @@ class CheckpointManager:
                     tier.store.delete(blob_key(blob))
                 tier.store.sync()
                 self._doomed[i] = set()
-        except leases.LeaseBusyError:
+        except LeaseBusyError:
             pass
 
     # ------------------------------------------------------------------ restore

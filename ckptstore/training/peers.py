@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -44,16 +45,17 @@ from ..errors import (
     CkptStoreError,
     FormatError,
     IntegrityError,
+    ObjectExistsError,
     ObjectNotFoundError,
     PeerExchangeError,
-    StoreError,
     UnrestorableCheckpointError,
 )
 from ..format.manifest_parse import parse_manifest
+from ..format.names import validate_key, validate_prefix
 from ..layout import blob_key, manifest_key
+from ..maintenance.transfer import blob_extents
 from ..repository import CheckpointStore
 from ..stores.base import Buffer, ObjectInfo, Store, check_range, short_read
-from ..tiers.replication import blob_extents
 from .distributed import all_gather_json
 
 #: blob bytes moved per round of point-to-point transfers (memory bound of an exchange)
@@ -409,22 +411,27 @@ class _Round:
 
 class ReceivedBlobs(Store):
     """Objects received from a peer, held in memory without a copy (a `put` keeps the
-    caller's buffer): the `prefer` store of a restore. Written once by `fetch`, then
-    read-only."""
+    caller's buffer): the `prefer` store of a restore, filled by `fetch`. A Store like any
+    other (the contract suite runs on it): keys validated, `create` create-only. Thread-safe.
+    """
 
     def __init__(self, uri: str) -> None:
         self.uri = uri
         self._objects: dict[str, memoryview] = {}
         self._mtime = time.time()
+        self._lock = threading.Lock()
 
     def keys(self) -> list[str]:
-        return list(self._objects)
+        with self._lock:
+            return list(self._objects)
 
     def view(self, key: str) -> memoryview:
-        try:
-            return self._objects[key]
-        except KeyError:
-            raise ObjectNotFoundError(f"{self.uri}: no object {key!r}") from None
+        validate_key(key)
+        with self._lock:
+            found = self._objects.get(key)
+        if found is None:
+            raise ObjectNotFoundError(f"{self.uri}: no object {key!r}")
+        return found
 
     def get(self, key: str) -> bytes:
         return bytes(self.view(key))
@@ -442,24 +449,40 @@ class ReceivedBlobs(Store):
         out[:] = data[start : start + len(out)]
 
     def put(self, key: str, data: Buffer) -> None:
-        self._objects[key] = memoryview(data).cast("B")
+        view = memoryview(data).cast("B")
+        validate_key(key)
+        with self._lock:
+            self._objects[key] = view
 
     def create(self, key: str, data: Buffer) -> None:
-        self.put(key, data)
+        view = memoryview(data).cast("B")
+        validate_key(key)
+        with self._lock:
+            found = self._objects.get(key)
+            if found is None:
+                self._objects[key] = view
+                return
+        if bytes(found) != bytes(view):
+            raise ObjectExistsError(f"{self.uri}: {key!r} exists")
 
     def exists(self, key: str) -> bool:
-        return key in self._objects
+        validate_key(key)
+        with self._lock:
+            return key in self._objects
 
     def stat(self, key: str) -> ObjectInfo:
         return ObjectInfo(key, len(self.view(key)), self._mtime)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        for key in list(self._objects):
+        validate_prefix(prefix)
+        for key in sorted(self.keys()):
             if key.startswith(prefix):
-                yield self.stat(key)
+                yield ObjectInfo(key, len(self._objects[key]), self._mtime)
 
     def delete(self, key: str) -> None:
-        raise StoreError(f"{self.uri} is read-only")
+        validate_key(key)
+        with self._lock:
+            self._objects.pop(key, None)
 
 
 @dataclass(frozen=True)

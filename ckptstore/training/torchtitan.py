@@ -54,7 +54,7 @@ except ModuleNotFoundError as _exc:
     raise missing(_exc) from None
 
 from ..errors import CheckpointNotFoundError, FormatError, IntegrityError, KeyMismatchError
-from ..pipeline.writer import SaveInfo
+from ..pipeline.options import SaveInfo
 from ..repository import SaveHandle
 from . import distributed as cdist
 from . import rank_rows

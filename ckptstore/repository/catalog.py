@@ -1,0 +1,190 @@
+"""The catalog of one store: its manifests, their commit order and the latest checkpoint.
+
+A manifest is immutable once committed, so parsed manifests are cached. Commit order is the
+manifests' `created` (each save sets it later than the newest checkpoint it saw): canonical
+JSON sorts keys, so a manifest starts with `{"created":<time>,"format":"ckptstore.manifest"`,
+and the order is read from the first 96 bytes of each manifest (ranged reads, METADATA_THREADS
+at a time); only the manifests asked for are parsed. `latest` is the newest whole checkpoint
+in that order, never a stored pointer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import re
+import threading
+from dataclasses import dataclass
+
+from ..errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError, StoreError
+from ..format.hashing import HashAlgorithm
+from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
+from ..format.manifest_parse import parse_manifest
+from ..layout import MANIFEST_PREFIX, manifest_key, name_of_manifest_key
+from ..pipeline.options import METADATA_THREADS
+from ..stores.base import Store
+
+# canonical JSON sorts keys, so every manifest starts with its creation time
+_HEADER_RE = re.compile(rb'\{"created":(-?[0-9][0-9.eE+-]*),"format":"ckptstore\.manifest"')
+_HEADER_BYTES = 96
+log = logging.getLogger("ckptstore")
+
+
+@dataclass(frozen=True)
+class ManifestProblem:
+    """An object under checkpoints/ that is not a readable manifest, and why. Listing and
+    `latest` skip it; gc refuses to run while one with a checkpoint name exists."""
+
+    key: str
+    reason: str
+
+
+class Catalog:
+    """What one store holds: manifests (parsed, validated, cached), names, commit order.
+    Thread-safe."""
+
+    def __init__(self, store: Store, hash: HashAlgorithm) -> None:
+        self.store = store
+        self.hash = hash
+        self._manifests: dict[str, Manifest] = {}
+        #: {name: created} as last listed (see `known_created`); None: never listed
+        self._seen: dict[str, float] | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ manifests
+    def manifest(self, name: str) -> Manifest:
+        """The parsed, validated manifest of checkpoint `name` (cached). The size cap is
+        checked before the object is read."""
+        with self._lock:
+            cached = self._manifests.get(name)
+        if cached is not None:
+            return cached
+        key = manifest_key(name)
+        try:
+            size = self.store.stat(key).size
+            if size > MAX_MANIFEST_BYTES:
+                raise FormatError(f"checkpoint {name!r} in {self.store.uri}: manifest of "
+                                  f"{size} bytes is larger than the {MAX_MANIFEST_BYTES} "
+                                  "allowed")
+            raw = self.store.get(key)
+        except ObjectNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.store.uri}"
+                                          ) from None
+        try:
+            manifest = parse_manifest(raw, name, self.hash)
+        except FormatError as exc:
+            raise FormatError(f"checkpoint {name!r} in {self.store.uri}: {exc}") from None
+        self.remember(manifest)
+        return manifest
+
+    def find_manifest(self, name: str) -> Manifest | None:
+        """The manifest of `name`, or None if there is none or it cannot be read (logged)."""
+        try:
+            return self.manifest(name)
+        except CheckpointNotFoundError:
+            return None
+        except FormatError as exc:
+            log.warning("skipping unreadable manifest: %s", exc)
+            return None
+
+    def remember(self, manifest: Manifest) -> None:
+        """Cache a manifest this process committed (or read): it equals what any reader
+        parses from the store."""
+        with self._lock:
+            self._manifests[manifest.name] = manifest
+            if self._seen is not None:
+                self._seen[manifest.name] = manifest.created
+
+    def note_committed(self, name: str, created: float) -> None:
+        """A checkpoint committed in this store by someone else (replication)."""
+        with self._lock:
+            if self._seen is not None:
+                self._seen[name] = created
+
+    def forget(self, name: str) -> None:
+        """`name` was deleted from this store."""
+        with self._lock:
+            self._manifests.pop(name, None)
+            if self._seen is not None:
+                self._seen.pop(name, None)
+
+    # ------------------------------------------------------------------ listing
+    def listing(self, problems: list[ManifestProblem] | None = None) -> dict[str, int]:
+        """name -> manifest size in bytes, from one listing. Keys that cannot be manifests
+        (`._step-1.json`, `step 1.json`, sub-folders) are skipped, or added to `problems`."""
+        out = {}
+        for info in self.store.list(MANIFEST_PREFIX):
+            name = name_of_manifest_key(info.key)
+            if name is not None:
+                out[name] = info.size
+            elif problems is not None:
+                problems.append(ManifestProblem(info.key, "not a checkpoint name: ignored"))
+        return out
+
+    def exists(self, name: str) -> bool:
+        return self.store.exists(manifest_key(name))
+
+    def problems(self) -> list[ManifestProblem]:
+        """Every object under checkpoints/ that is not a readable manifest, and why (reads
+        every manifest)."""
+        problems: list[ManifestProblem] = []
+        names = self.listing(problems)
+        with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
+            for name, error in zip(names, pool.map(self._manifest_error, names)):
+                if error is not None:
+                    problems.append(ManifestProblem(manifest_key(name), error))
+        return sorted(problems, key=lambda p: p.key)
+
+    def _manifest_error(self, name: str) -> str | None:
+        try:
+            self.manifest(name)
+        except CheckpointNotFoundError:
+            return None  # deleted meanwhile
+        except FormatError as exc:
+            return str(exc)
+        return None
+
+    # ------------------------------------------------------------------ commit order
+    def order(self) -> list[tuple[float, str]]:
+        """(created, name) of this store's checkpoints, in commit order (oldest first)."""
+        listing = self.listing()
+        with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
+            created = list(pool.map(lambda item: self._created(*item), listing.items()))
+        order = sorted((c, name) for c, name in zip(created, listing) if c is not None)
+        with self._lock:
+            self._seen = {name: c for c, name in order}
+        return order
+
+    def newest_whole(self, order: list[tuple[float, str]]) -> str | None:
+        """The last name of `order` with a readable manifest: a newest manifest that cannot
+        be read (torn, corrupt) is skipped and logged."""
+        for _created, name in reversed(order):
+            if self.find_manifest(name) is not None:
+                return name
+        return None
+
+    def known_created(self) -> dict[str, float] | None:
+        """{name: created} as last listed, kept up to date with what this process committed
+        or deleted here; None if never listed."""
+        with self._lock:
+            return None if self._seen is None else dict(self._seen)
+
+    def _created(self, name: str, size: int) -> float | None:
+        """Creation time of a checkpoint from its manifest's first bytes (or, for a manifest
+        not in canonical form, the whole manifest); None if it was deleted meanwhile or
+        cannot be read."""
+        with self._lock:
+            cached = self._manifests.get(name)
+        if cached is not None:
+            return cached.created
+        try:
+            head = self.store.get_range(manifest_key(name), 0, min(size, _HEADER_BYTES))
+        except ObjectNotFoundError:
+            return None
+        except StoreError:
+            head = b""  # shorter than listed (replaced meanwhile): read it whole
+        match = _HEADER_RE.match(head)
+        if match is not None:
+            return float(match.group(1))
+        manifest = self.find_manifest(name)
+        return None if manifest is None else manifest.created
