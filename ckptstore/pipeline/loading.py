@@ -52,13 +52,27 @@ def check_allocation(manifest: Manifest, fresh: list[int], limit: int | None) ->
 
 
 def key_filter(keys: Iterable[str] | None) -> Callable[[str], bool] | None:
-    """A predicate keeping a dotted key equal to one of `keys` or below one of them."""
+    """A predicate keeping a dotted key equal to one of `keys` or below one of them. Each
+    call costs the key's depth (set lookups of its prefixes), not the number of keys."""
     if keys is None:
         return None
-    wanted = list(keys)
-    if isinstance(keys, str) or not all(isinstance(k, str) for k in wanted):
+    if isinstance(keys, str):
         raise TypeError("keys must be a list of dotted key strings")
-    return lambda key: any(key == k or key.startswith(k + ".") for k in wanted)
+    wanted = set(keys)
+    if not all(isinstance(k, str) for k in wanted):
+        raise TypeError("keys must be a list of dotted key strings")
+
+    def keep(key: str) -> bool:
+        if key in wanted:
+            return True
+        dot = key.find(".")
+        while dot >= 0:
+            if key[:dot] in wanted:
+                return True
+            dot = key.find(".", dot + 1)
+        return False
+
+    return keep
 
 
 def _numpy_new(entry: TensorEntry) -> tuple[Any, np.ndarray, Finish]:
@@ -253,9 +267,16 @@ def _copy_into(dest: Any, value: Any) -> None:
 
 
 def _check_keys_exist(manifest: Manifest, keys: Iterable[str]) -> None:
-    """Every requested key must name something in the checkpoint (a leaf or a subtree)."""
-    all_keys = _all_leaf_keys(manifest.tree)
-    missing = [k for k in keys if not any(a == k or a.startswith(k + ".") for a in all_keys)]
+    """Every requested key must name something in the checkpoint (a leaf or a subtree):
+    O(leaves x depth + keys), with every leaf key's prefixes in one set."""
+    names: set[str] = set()
+    for a in _all_leaf_keys(manifest.tree):
+        names.add(a)
+        dot = a.find(".")
+        while dot >= 0:
+            names.add(a[:dot])
+            dot = a.find(".", dot + 1)
+    missing = [k for k in keys if k not in names]
     if missing:
         raise KeyMismatchError(f"checkpoint {manifest.name!r} has no key(s) {missing[:10]}")
 

@@ -30,13 +30,21 @@ from ..concurrency import Turns, completed
 from ..errors import (
     CheckpointExistsError,
     CkptStoreError,
+    FormatError,
     ObjectExistsError,
     ObjectNotFoundError,
     UnsupportedTypeError,
 )
 from ..format.codecs import Codec
 from ..format.leaf import ArrayLeaf
-from ..format.manifest import ChunkRef, Manifest, StorageRef, TensorEntry, expected_chunk_count
+from ..format.manifest import (
+    MAX_MANIFEST_BYTES,
+    ChunkRef,
+    Manifest,
+    StorageRef,
+    TensorEntry,
+    expected_chunk_count,
+)
 from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
@@ -398,8 +406,14 @@ class CheckpointWriter:
 
     def commit(self, manifest: Manifest, manifest_key: str) -> bytes:
         """Make the blobs durable, then create the manifest create-only. Returns the bytes
-        committed."""
+        committed. A manifest over MAX_MANIFEST_BYTES is refused before anything is
+        committed (a reader would refuse it: it must never be created)."""
         body = manifest.to_bytes()
+        if len(body) > MAX_MANIFEST_BYTES:
+            raise FormatError(f"checkpoint {manifest.name!r}: its manifest would be {len(body)} "
+                              f"bytes, more than the {MAX_MANIFEST_BYTES} a reader accepts; "
+                              "nothing was committed (save fewer tensors per checkpoint, or a "
+                              "larger chunk_bytes)")
         with self.stats.timed("commit"):
             self.store.sync()  # every blob durable before the manifest exists
             self.confirm_sources()  # again, later: see Overlap.confirm

@@ -1,11 +1,15 @@
 """The catalog of one store: its manifests, their commit order and the latest checkpoint.
 
-A manifest is immutable once committed, so parsed manifests are cached. Commit order is the
-manifests' `created` (each save sets it later than the newest checkpoint it saw): canonical
-JSON sorts keys, so a manifest starts with `{"created":<time>,"format":"ckptstore.manifest"`,
-and the order is read from the first 96 bytes of each manifest (ranged reads, METADATA_THREADS
-at a time); only the manifests asked for are parsed. `latest` is the newest whole checkpoint
-in that order, never a stored pointer.
+A manifest is immutable once committed, so parsed manifests are cached (the most recently
+used ones, up to CACHE_TENSORS tensor entries in all, so a long-lived store does not keep
+every manifest it ever read). Commit order is the manifests' `created` (each save sets it
+later than the newest checkpoint it saw): canonical JSON sorts keys, so a manifest starts
+with `{"created":<time>,"format":"ckptstore.manifest"`, and the order is read from the first
+96 bytes of each manifest (ranged reads, METADATA_THREADS at a time), once per manifest
+object: a listing whose name, size and modification time are unchanged reuses the time read
+before, so a save in a repository of 500 checkpoints costs one listing, not 500 reads. Only
+the manifests asked for are parsed. `latest` is the newest whole checkpoint in that order,
+never a stored pointer.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import concurrent.futures as cf
 import logging
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError, StoreError
@@ -22,11 +27,14 @@ from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..format.manifest_parse import parse_manifest
 from ..layout import MANIFEST_PREFIX, manifest_key, name_of_manifest_key
 from ..pipeline.options import METADATA_THREADS
-from ..stores.base import Store
+from ..stores.base import ObjectInfo, Store
 
 # canonical JSON sorts keys, so every manifest starts with its creation time
 _HEADER_RE = re.compile(rb'\{"created":(-?[0-9][0-9.eE+-]*),"format":"ckptstore\.manifest"')
 _HEADER_BYTES = 96
+#: parsed manifests cached, in tensor entries (about 1 KB each parsed): the newest manifest
+#: is always kept, whatever its size
+CACHE_TENSORS = 400_000
 log = logging.getLogger("ckptstore")
 
 
@@ -46,9 +54,12 @@ class Catalog:
     def __init__(self, store: Store, hash: HashAlgorithm) -> None:
         self.store = store
         self.hash = hash
-        self._manifests: dict[str, Manifest] = {}
+        self._manifests: OrderedDict[str, Manifest] = OrderedDict()  # least recently used first
+        self._cached_tensors = 0
         #: {name: created} as last listed (see `known_created`); None: never listed
         self._seen: dict[str, float] | None = None
+        #: (name, size, mtime) of a listed manifest -> its created: read once per object
+        self._heads: dict[tuple[str, int, float], float] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ manifests
@@ -57,6 +68,8 @@ class Catalog:
         checked before the object is read."""
         with self._lock:
             cached = self._manifests.get(name)
+            if cached is not None:
+                self._manifests.move_to_end(name)
         if cached is not None:
             return cached
         key = manifest_key(name)
@@ -91,7 +104,13 @@ class Catalog:
         """Cache a manifest this process committed (or read): it equals what any reader
         parses from the store."""
         with self._lock:
+            old = self._manifests.pop(manifest.name, None)
+            self._cached_tensors -= 0 if old is None else len(old.tensors)
             self._manifests[manifest.name] = manifest
+            self._cached_tensors += len(manifest.tensors)
+            while self._cached_tensors > CACHE_TENSORS and len(self._manifests) > 1:
+                _name, evicted = self._manifests.popitem(last=False)
+                self._cached_tensors -= len(evicted.tensors)
             if self._seen is not None:
                 self._seen[manifest.name] = manifest.created
 
@@ -104,7 +123,8 @@ class Catalog:
     def forget(self, name: str) -> None:
         """`name` was deleted from this store."""
         with self._lock:
-            self._manifests.pop(name, None)
+            old = self._manifests.pop(name, None)
+            self._cached_tensors -= 0 if old is None else len(old.tensors)
             if self._seen is not None:
                 self._seen.pop(name, None)
 
@@ -112,11 +132,14 @@ class Catalog:
     def listing(self, problems: list[ManifestProblem] | None = None) -> dict[str, int]:
         """name -> manifest size in bytes, from one listing. Keys that cannot be manifests
         (`._step-1.json`, `step 1.json`, sub-folders) are skipped, or added to `problems`."""
+        return {name: info.size for name, info in self._listed(problems).items()}
+
+    def _listed(self, problems: list[ManifestProblem] | None = None) -> dict[str, ObjectInfo]:
         out = {}
         for info in self.store.list(MANIFEST_PREFIX):
             name = name_of_manifest_key(info.key)
             if name is not None:
-                out[name] = info.size
+                out[name] = info
             elif problems is not None:
                 problems.append(ManifestProblem(info.key, "not a checkpoint name: ignored"))
         return out
@@ -147,12 +170,19 @@ class Catalog:
     # ------------------------------------------------------------------ commit order
     def order(self) -> list[tuple[float, str]]:
         """(created, name) of this store's checkpoints, in commit order (oldest first)."""
-        listing = self.listing()
-        with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
-            created = list(pool.map(lambda item: self._created(*item), listing.items()))
-        order = sorted((c, name) for c, name in zip(created, listing) if c is not None)
+        listed = self._listed()
+        with self._lock:
+            known = {name: self._heads.get((name, info.size, info.mtime))
+                     for name, info in listed.items()}
+        unknown = [name for name, c in known.items() if c is None]
+        if unknown:
+            with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
+                found = list(pool.map(lambda n: self._created(n, listed[n].size), unknown))
+            known.update(zip(unknown, found))
+        order = sorted((c, name) for name, c in known.items() if c is not None)
         with self._lock:
             self._seen = {name: c for c, name in order}
+            self._heads = {(n, listed[n].size, listed[n].mtime): c for c, n in order}
         return order
 
     def newest_whole(self, order: list[tuple[float, str]]) -> str | None:
