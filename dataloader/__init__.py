@@ -10,6 +10,27 @@
     state = loader.state_dict()          # small, JSON-able; save it in a checkpoint
     loader.load_state_dict(state)        # resume with exactly the next sample
 
+Where things are (each folder's `__init__` says more). The data goes from sources/ through
+write/ into a store, and from the store through read/ into loading/; imports flow down this
+list only:
+
+    errors.py    the dataloader's errors (derived from ckptstore's)
+    format/      what is stored: dataset.json (index, fields, arrays), untrusted-JSON checks,
+                 the layout's limits, the bytes of the zarr objects
+    sources/     input formats -> sample dicts (JSON Lines, Parquet, NumPy, files, WebDataset,
+                 Hugging Face)
+    write/       samples -> a stored dataset: sample checks, array and dataset writers,
+                 partitions, the parallel drivers, the Ray datasink
+    order/       pure arithmetic: the epoch's order, rank shares, the torch-workers schedule
+    read/        a stored dataset -> decoded windows: block reads, cache, views, prefetching,
+                 verify
+    loading/     StreamingDataset, TokenDataset, StreamingLoader, MixedLoader, their state
+    cli/         the `ckpt-data` command
+
+write/ and read/ never import each other, nor does anything import cli/ but `__main__`. Of
+ckptstore, only its public API is used: `ckptstore` (top level), `ckptstore.errors`,
+`ckptstore.stores` and `ckptstore.toolkit`. tests/dataloader/test_layers.py checks all of it.
+
 See docs/dataloader.md.
 """
 
@@ -17,21 +38,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from .dataset import StreamingDataset
 from .errors import DatasetNotFoundError, MissingShardError, StateMismatchError
-from .format import DatasetIndex
-from .loader import StreamingLoader
-from .metrics import Metrics
-from .mixing import MixedLoader
-from .partitions import commit_dataset, gc_partitions, write_partition
-from .tokens import TokenDataset
-from .writer import DatasetWriter, write_dataset
+from .format.index import DatasetIndex
+from .loading.dataset import StreamingDataset
+from .loading.loader import StreamingLoader
+from .loading.mixing import MixedLoader
+from .loading.tokens import TokenDataset
+from .read.metrics import Metrics
+from .write.api import write_dataset
+from .write.dataset_writer import DatasetWriter
+from .write.partitions import commit_dataset, gc_partitions, write_partition
 
 
 def __getattr__(name: str) -> Any:
     """`dataloader.RayDatasink` imports ray on first use only (the 'ray' extra)."""
     if name == "RayDatasink":
-        from .ray_datasink import RayDatasink
+        from .write.ray_datasink import RayDatasink
 
         return RayDatasink
     raise AttributeError(f"module 'dataloader' has no attribute {name!r}")

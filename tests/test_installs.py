@@ -88,7 +88,7 @@ def test_api_without_optional_packages_raises_one_clear_error(saved: Path) -> No
                            "endpoint_url='http://127.0.0.1:1')", "ckptstore[s3]"),
         "torch": ("ckptstore.CheckpointManager('runs/x')", "ckptstore[torch]"),
         "lightning": ("import ckptstore.lightning", "ckptstore[lightning]"),
-        "ray": ("import dataloader.ray_datasink", "ckptstore[ray]"),
+        "ray": ("import dataloader.write.ray_datasink", "ckptstore[ray]"),
     }
     for hidden, (call, extra) in cases.items():
         proc = run_without(hidden, code.format(call=call), cwd=saved.parent)

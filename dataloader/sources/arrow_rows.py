@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format import validate_field_name
+from ..format.spec import validate_field_name
 from .base import Sample
 
 Column = Callable[[int], Any]  # row number in the batch -> value

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format import validate_field_name
+from ..format.spec import validate_field_name
 from .base import Sample, Source, files_with
 
 

@@ -11,7 +11,7 @@ import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from ..format import validate_field_name
+from ..format.spec import validate_field_name
 from .base import Sample, Source, files_with
 
 _SUFFIXES = (".tar", ".tar.gz", ".tgz")

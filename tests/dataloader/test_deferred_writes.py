@@ -53,6 +53,8 @@ def test_sigkilled_conversion_leaves_only_what_gc_removes(tmp_path: Path) -> Non
     finally:
         proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     store = LocalStore(uri)
     assert not store.exists(INDEX_KEY)
     assert list(store.list("parts/")), "the child wrote no partition before the kill"

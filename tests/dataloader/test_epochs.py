@@ -71,7 +71,7 @@ def _make(kind: str, uri: str) -> Kind:
         ds = dataloader.StreamingDataset(uri, **opts)
         return Kind(torch.utils.data.DataLoader(ds, batch_size=B), lambda n: ds.state_dict(),
                     ds.load_state_dict, lambda e: None)
-    ds = dataloader.StreamingDataset(uri, batch_size=B, num_workers=2, **opts)
+    ds = dataloader.StreamingDataset(uri, torch_batch_size=B, torch_workers=2, **opts)
     # worker processes: the main process's dataset cannot see a pass end, so the caller sets
     # the epoch, and counts what it consumed (docs/dataloader.md, "torch's DataLoader")
     return Kind(torch.utils.data.DataLoader(ds, batch_size=B, num_workers=2),
@@ -127,8 +127,8 @@ def test_state_at_the_end_of_an_epoch_is_the_next_epoch(uri: str) -> None:
 
 
 def test_torch_workers_len_and_persistent_workers(uri: str) -> None:
-    opts: dict[str, Any] = {"shuffle": True, "seed": 3, "shuffle_window": 8, "batch_size": B,
-                            "num_workers": 2}
+    opts: dict[str, Any] = {"shuffle": True, "seed": 3, "shuffle_window": 8,
+                            "torch_batch_size": B, "torch_workers": 2}
     ds = dataloader.StreamingDataset(uri, **opts)
     ds.load_state_dict(ds.state_dict(consumed=3 * B))
     dl = torch.utils.data.DataLoader(ds, batch_size=B, num_workers=2)

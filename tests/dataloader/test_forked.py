@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dataloader.forked import run_forked
+from dataloader.write.forked import run_forked
 
 
 def _fail(kind: str, msg: str) -> Exception:

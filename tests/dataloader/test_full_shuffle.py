@@ -9,7 +9,7 @@ import pytest
 
 import dataloader
 from dataloader.errors import StateMismatchError
-from dataloader.order_full import FeistelPermutation
+from dataloader.order.full import FeistelPermutation
 
 from .conftest import make_samples
 from .resume_contract import assert_resumes_exactly

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 import dataloader
 from ckptstore.errors import FormatError, IntegrityError
-from ckptstore.format.hashing import digest
 from ckptstore.stores import open_store
+from ckptstore.toolkit import canonical_json, digest
 from dataloader import StateMismatchError
-from dataloader.format import INDEX_KEY, MAX_INDEX_BYTES, DatasetIndex, canonical_json
+from dataloader.format import INDEX_KEY, MAX_INDEX_BYTES, DatasetIndex
 from dataloader.order import MAX_WORLD_SIZE, advance, complement, merge_intervals, rank_plan
 
 from .conftest import ids_of
@@ -776,7 +776,7 @@ def test_random_bit_flips_of_a_real_index_are_caught(small_uri):
 def test_an_index_fingerprinted_with_the_old_ascii_escaping_still_opens(small_uri) -> None:
     """Indexes written before the dataloader shared ckptstore's canonical JSON escaped
     non-ASCII characters; their fingerprints must still check."""
-    from ckptstore.format.hashing import digest
+    from ckptstore.toolkit import digest
 
     body = _doc(small_uri)
     del body["fingerprint"]

@@ -91,6 +91,9 @@ def test_metrics_report_throughput_and_wait(small_uri):
     assert 0 <= m["wait_s"] <= m["elapsed_s"] and m["time_to_first_batch_s"] is not None
 
 
+# torch warns when a DataLoader has more worker processes than the machine has cores (3 here,
+# on purpose: the dataset must refuse a worker count it was not made for)
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_torch_collate_and_torch_dataloader(small_uri):
     torch = pytest.importorskip("torch")
     loader = dataloader.StreamingLoader(
@@ -100,15 +103,16 @@ def test_torch_collate_and_torch_dataloader(small_uri):
     assert isinstance(b["image"], torch.Tensor) and b["image"].shape == (16, 2, 3)
     assert isinstance(b["tokens"][0], torch.Tensor) and isinstance(b["text"][0], str)
     # torch's own DataLoader with worker processes: each sample exactly once, in the order
-    # the dataset (told num_workers and batch_size) delivers when iterated directly
+    # the dataset (told the DataLoader's num_workers and batch_size) delivers when iterated
+    # directly
     ds = dataloader.StreamingDataset(
-        small_uri, fields=["id", "image"], shuffle=True, seed=5, batch_size=8, io_threads=1,
-        num_workers=2,
+        small_uri, fields=["id", "image"], shuffle=True, seed=5, torch_batch_size=8,
+        io_threads=1, torch_workers=2,
     )
     want = [
         int(s["_index"])
         for s in dataloader.StreamingDataset(
-            small_uri, fields=["id"], shuffle=True, seed=5, batch_size=8, num_workers=2
+            small_uri, fields=["id"], shuffle=True, seed=5, torch_batch_size=8, torch_workers=2
         )
     ]
     dl = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2)

@@ -193,3 +193,27 @@ def test_interval_helpers():
     assert rank_plan(10, np.zeros((0, 2)), 3, 0, "drop").segments == ((0, 3),)
     done = advance(10, np.zeros((0, 2)), 3, "none", 2)
     assert done.tolist() == [[0, 2], [4, 6], [7, 9]]
+
+
+def test_old_names_of_the_torch_worker_options_still_work(small_uri):
+    """StreamingDataset's `num_workers` and `batch_size` (the DataLoader's, for torch worker
+    processes) are now `torch_workers` and `torch_batch_size`, since for the loaders those words
+    mean request threads and batch size: the old keywords still work, with a DeprecationWarning
+    attributed to the caller, and make the same dataset."""
+    new = _ds(small_uri, torch_workers=2, torch_batch_size=8)
+    with pytest.warns(DeprecationWarning, match="is deprecated") as caught:
+        old = _ds(small_uri, num_workers=2, batch_size=8)
+    assert len(caught) == 2 and {w.filename for w in caught} == {__file__}
+    assert (old.torch_workers, old.torch_batch_size) == (2, 8)
+    assert old.order_options() == new.order_options()
+    assert old.state_dict(consumed=16) == new.state_dict(consumed=16)
+    assert [int(s["_index"]) for s in old] == [int(s["_index"]) for s in new]
+    with pytest.warns(DeprecationWarning, match="torch_workers"):
+        assert old.num_workers == 2
+    with pytest.warns(DeprecationWarning, match="torch_batch_size"):
+        assert old.batch_size == 8
+    with pytest.raises(TypeError, match="not both"):
+        _ds(small_uri, num_workers=2, torch_workers=2)
+    with pytest.raises(ValueError, match="own threads"):
+        with pytest.warns(DeprecationWarning):
+            dataloader.StreamingLoader(_ds(small_uri, num_workers=2, batch_size=8))

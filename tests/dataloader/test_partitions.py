@@ -18,7 +18,7 @@ import dataloader
 from ckptstore import open_store
 from ckptstore.errors import FormatError, ObjectExistsError
 from ckptstore.stores import MemoryStore
-from dataloader.reader import BlockReader
+from dataloader.read.blocks import BlockReader
 
 from .conftest import ids_of, make_samples
 from .resume_contract import assert_resumes_exactly

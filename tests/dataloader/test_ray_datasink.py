@@ -16,6 +16,9 @@ from ckptstore import open_store
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ckptstore[ray]')")
 pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install 'ray[data]')")
 
+# Ray's DataContext warns about its own deprecated settings whenever it is created
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:

@@ -10,9 +10,9 @@ import pytest
 
 import dataloader
 from ckptstore import IntegrityError, open_store
-from ckptstore.pipeline.ranges import merge_ranges
-from dataloader.cache import ChunkCache
-from dataloader.format import DatasetIndex, canonical_json
+from ckptstore.toolkit import canonical_json, merge_ranges
+from dataloader.format import DatasetIndex
+from dataloader.read.cache import ChunkCache
 
 from .conftest import make_samples
 
@@ -142,7 +142,7 @@ def test_local_cache_serves_second_pass_and_evicts(tmp_path, small_uri):
 
 def test_cache_rejects_a_tampered_file(tmp_path):
     c = ChunkCache(tmp_path, 1 << 20)
-    from ckptstore.format.hashing import digest
+    from ckptstore.toolkit import digest
 
     data = b"hello world" * 10
     key = digest(data)

@@ -176,3 +176,13 @@ def test_mixing_validates_inputs(two_sources, tmp_path):
         dataloader.MixedLoader(
             [dataloader.StreamingDataset(a), dataloader.StreamingDataset(other)], [1, 1], 4
         )
+
+
+def test_token_dataset_takes_the_old_names_of_the_torch_worker_options(docs_uri):
+    uri, _ = docs_uri
+    with pytest.warns(DeprecationWarning, match="is deprecated") as caught:
+        old = dataloader.TokenDataset(uri, 64, num_workers=2, batch_size=4)
+    assert {w.filename for w in caught} == {__file__}  # the caller's line, not ours
+    new = dataloader.TokenDataset(uri, 64, torch_workers=2, torch_batch_size=4)
+    assert old.order_options() == new.order_options()
+    assert old.order_options()["torch_workers"] == [2, 4]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import dataloader
-from dataloader.lanes import remaining, schedule, worker_pieces
 from dataloader.order import Piece
+from dataloader.order.lanes import remaining, schedule, worker_pieces
 
 torch = pytest.importorskip("torch")
 
@@ -18,7 +18,8 @@ BS, NW = 8, 2
 
 def _ds(uri: str, **kw) -> dataloader.StreamingDataset:
     return dataloader.StreamingDataset(uri, shuffle=True, seed=7, shuffle_window=48,
-                                       fields=["id"], batch_size=BS, num_workers=NW, **kw)
+                                       fields=["id"], torch_batch_size=BS, torch_workers=NW,
+                                       **kw)
 
 
 def _windows_of(uri: str, ids: list[int]) -> list[int]:
@@ -66,7 +67,7 @@ def test_each_worker_reads_only_its_windows_and_resumes_exactly(small_uri: str) 
     # the state records the worker layout: another one is refused, not misread
     with pytest.raises(dataloader.StateMismatchError):
         dataloader.StreamingDataset(small_uri, shuffle=True, seed=7, shuffle_window=48,
-                                    fields=["id"], batch_size=BS, num_workers=3
+                                    fields=["id"], torch_batch_size=BS, torch_workers=3
                                     ).load_state_dict(state)
 
 

@@ -16,7 +16,7 @@ import dataloader
 from ckptstore.stores import open_store
 from dataloader.cli import main
 from dataloader.format import DatasetIndex
-from dataloader.zarr_adapter import ZarrStoreAdapter
+from dataloader.format.zarr_adapter import ZarrStoreAdapter
 
 from .conftest import make_samples
 

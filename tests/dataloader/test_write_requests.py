@@ -15,7 +15,8 @@ import zarr
 import dataloader
 from ckptstore.stores.base import Buffer, DeferredPuts
 from ckptstore.stores.local import LocalStore
-from dataloader.format import INDEX_KEY, DatasetIndex, canonical_json
+from ckptstore.toolkit import canonical_json
+from dataloader.format import INDEX_KEY, DatasetIndex
 
 
 class CountingStore(LocalStore):

@@ -10,10 +10,10 @@ import pytest
 import zarr
 
 import dataloader
-from ckptstore import ObjectExistsError, open_store
-from ckptstore.format.hashing import digest
+from ckptstore import FormatError, ObjectExistsError, open_store
+from ckptstore.toolkit import digest
 from dataloader.format import INDEX_KEY, DatasetIndex
-from dataloader.zarr_adapter import ZarrStoreAdapter
+from dataloader.format.zarr_adapter import ZarrStoreAdapter
 
 
 def _uri() -> str:
@@ -138,7 +138,7 @@ def test_index_is_json_and_tampering_is_detected(small_uri):
     for info in store.list():
         s2.put(info.key, store.get(info.key))
     s2.put(INDEX_KEY, json.dumps(doc).encode())
-    with pytest.raises(dataloader.format.FormatError, match="fingerprint"):
+    with pytest.raises(FormatError, match="fingerprint"):
         dataloader.StreamingDataset(copy)
 
 

@@ -12,10 +12,15 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from ckptstore.stores import MemoryStore
-from dataloader.array_writer import ArrayWriter, ObjectWrites
 from dataloader.format import ShardInfo
-from dataloader.zarr_adapter import ZarrStoreAdapter
-from dataloader.zarr_encoding import array_metadata, encode_shard, group_metadata, tail_nbytes
+from dataloader.format.zarr_adapter import ZarrStoreAdapter
+from dataloader.format.zarr_encoding import (
+    array_metadata,
+    encode_shard,
+    group_metadata,
+    tail_nbytes,
+)
+from dataloader.write.array_writer import ArrayWriter, ObjectWrites
 
 CASES = [
     # dtype, inner shape, rows per chunk, chunks per shard, rows in all

@@ -22,8 +22,8 @@ import numpy as np
 from ckptstore.errors import FormatError
 from ckptstore.stores import Store
 
-from .format import ArrayInfo, ShardInfo
-from .zarr_encoding import array_metadata, encode_shard, tail_nbytes
+from ..format.arrays import ArrayInfo, ShardInfo
+from ..format.zarr_encoding import array_metadata, encode_shard, tail_nbytes
 
 __all__ = ["ArrayWriter", "ObjectWrites"]
 

@@ -24,17 +24,24 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ckptstore.cli.args import positive_int
-from ckptstore.cli.exits import EXIT_ERROR, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_OK, one_line
-from ckptstore.cli.output import human_bytes
 from ckptstore.errors import CkptStoreError, IntegrityError
-from ckptstore.redact import redact_text
 from ckptstore.stores import open_store
+from ckptstore.toolkit import (
+    EXIT_ERROR,
+    EXIT_FOUND,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    human_bytes,
+    one_line,
+    positive_int,
+    redact_text,
+)
 
-from .errors import MissingShardError
-from .format import INDEX_KEY, DatasetIndex
+from ..errors import MissingShardError
+from ..format.index import DatasetIndex
+from ..format.spec import INDEX_KEY
+from ..sources import FORMATS, open_source
 from .progress import counted, progress_bar
-from .sources import FORMATS, open_source
 
 PROG = "ckpt-data"
 
@@ -112,7 +119,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ckptstore.version import __version__
+    from ckptstore.toolkit import __version__
 
     common = _Parser(add_help=False)
     common.add_argument("--endpoint-url", metavar="URL",
@@ -197,8 +204,9 @@ def _schema(items: list[str]) -> dict[str, str]:
 
 def convert(args: argparse.Namespace) -> dict[str, Any]:
     """The `convert` command: returns the new dataset's summary."""
-    from .partitions import _clear_target, gc_partitions
-    from .writer import write_dataset
+    from ..write.api import write_dataset
+    from ..write.dataset_writer import clear_target
+    from ..write.partitions import gc_partitions
 
     opts = _store_opts(args)
     fmt = "numpy" if args.format == "npy" else args.format
@@ -215,10 +223,10 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
             if source.file_samples is not None and isinstance(args.dest, str) and not (
                 args.dest.startswith("memory://")
             ):  # file by file, in processes: parsing scales too
-                from .sources.by_file import convert_by_file
+                from ..write.by_file import convert_by_file
 
                 if args.overwrite:
-                    _clear_target(store, True)
+                    clear_target(store, True)
                 with progress_bar(f"converting {source.format}", source.num_samples,
                                   show) as advance:
                     index = convert_by_file(
@@ -246,8 +254,8 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
 
 def verify(args: argparse.Namespace) -> int:
     """The `verify` command: every object a zarr reader or ours uses, checked against
-    dataset.json (dataloader/verify.py); each problem is one line on stderr. Exit 1 if any."""
-    from .verify import verify_dataset
+    dataset.json (dataloader/read/verify.py); each problem is one line on stderr. Exit 1 if any."""
+    from ..read.verify import verify_dataset
 
     show = not (args.no_progress or args.json)
     store = open_store(args.uri, **_store_opts(args))
@@ -284,7 +292,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "convert":
         s = convert(args)
     else:
-        from .dataset import StreamingDataset
+        from ..loading.dataset import StreamingDataset
 
         ds = StreamingDataset(args.uri, store_options=_store_opts(args))
         s = summary(ds.index, args.uri)

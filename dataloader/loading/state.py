@@ -3,7 +3,7 @@
 A state is a dict of str/int/bool/lists of ints (no numpy objects, nothing pickled), so it can
 be saved as JSON or inside a ckptstore checkpoint. It records *where the epoch stands*, not
 what workers hold: (epoch, consumed intervals folded in so far, world size and balance mode
-of the run that made it, items each rank has delivered since). See order.py for why that is
+of the run that made it, items each rank has delivered since). See order/epoch.py for why that is
 enough to resume exactly, also on another number of ranks or workers.
 
 A state is untrusted input: `from_state` checks every field against the dataset it is loaded
@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import StateMismatchError
-from .format import INT64_MAX, check_int, is_int, short_repr
-from .order import BALANCE, MAX_WORLD_SIZE, merge_intervals, rank_plan
+from ..errors import StateMismatchError
+from ..format.validate import INT64_MAX, check_int, is_int, short_repr
+from ..order.epoch import BALANCE, MAX_WORLD_SIZE, merge_intervals, rank_plan
 
 STATE_FORMAT = "ckptstore.dataloader.state"
 STATE_VERSION = 1

@@ -14,6 +14,10 @@ A *block* is the rows of one row-chunk (samples [b*R, (b+1)*R)): its columns are
 (scalar/fixed fields) or (data, offsets[, shapes]) triples with offsets local to the block.
 A partitioned dataset (index version 2) is read by one reader per partition (its keys under
 the partition's prefix), blocks numbered across partitions; their requests are issued together.
+
+Why one module of ~450 lines: one read (locate the chunks, merge ranges, fetch, verify, fetch
+again, decode, assemble the blocks), for single-stream and partitioned datasets alike; its
+steps share the reader's shard-index cache and its partition readers.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import IntegrityError, ObjectNotFoundError, StoreError
-from ckptstore.format.hashing import digest
-from ckptstore.pipeline.ranges import MergedRange, merge_ranges
 from ckptstore.stores import Store
+from ckptstore.toolkit import MergedRange, digest, merge_ranges
 
+from ..errors import MissingShardError
+from ..format.arrays import ArrayInfo
+from ..format.index import DatasetIndex, check_zarr_metadata
+from ..format.spec import EMPTY
 from .cache import ChunkCache
-from .errors import MissingShardError
-from .format import EMPTY, ArrayInfo, DatasetIndex, check_zarr_metadata
 from .metrics import Metrics
 
 ChunkId = tuple[str, int]  # (array path, chunk number)

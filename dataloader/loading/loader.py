@@ -25,13 +25,13 @@ from collections.abc import Iterator, Mapping
 from contextlib import closing
 from typing import Any
 
+from ..format.validate import check_int
+from ..read.metrics import Metrics
+from ..read.prefetch import BackgroundIterator, dataset_windows, iter_batches, timed_batches
+from ..read.views import Batch, batch_len
 from .collate import Collate, resolve
 from .dataset import StreamingDataset
-from .format import check_int
-from .metrics import Metrics
-from .pipeline import BackgroundIterator, dataset_windows, iter_batches, timed_batches
 from .state import Progress, fresh
-from .views import Batch, batch_len
 
 
 class _Pass:
@@ -49,7 +49,11 @@ class _Pass:
 class StreamingLoader:
     """Iterate batches (dicts of numpy arrays / lists, or torch tensors with collate='torch').
 
-    `prefetch_bytes` bounds the decoded bytes of windows loaded ahead of the one in use.
+    The words mean the same in StreamingLoader and MixedLoader: `batch_size` is the number of
+    items in each batch returned; `num_workers` the request threads reading a dataset (0:
+    everything in the consumer's thread); `prefetch_bytes` bounds the decoded bytes of windows
+    loaded ahead of the one in use, for each dataset read. (A dataset's own `io_threads` and
+    `prefetch_bytes` apply only when it is iterated directly.)
     """
 
     def __init__(
@@ -63,11 +67,11 @@ class StreamingLoader:
         drop_last: bool = False,
         collate: Collate = "numpy",
     ) -> None:
-        if getattr(dataset, "num_workers", 0) > 1:
+        if getattr(dataset, "torch_workers", 0) > 1:
             raise ValueError(
-                "this dataset was made for torch's DataLoader worker processes (num_workers="
-                f"{dataset.num_workers}); StreamingLoader has its own threads: create the"
-                " dataset without num_workers"
+                "this dataset was made for torch's DataLoader worker processes (torch_workers="
+                f"{dataset.torch_workers}); StreamingLoader has its own threads: create the"
+                " dataset without torch_workers"
             )
         self.dataset = dataset
         self.batch_size = check_int(batch_size, "batch_size", 1, None, ValueError)

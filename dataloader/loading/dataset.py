@@ -3,8 +3,10 @@
 Use it through `StreamingLoader` (threads, batches, exact resume), or iterate it directly /
 under torch's DataLoader (IterableDataset protocol: one sample dict at a time). Under torch's
 DataLoader with worker processes, give the dataset the DataLoader's `num_workers` and
-`batch_size`: each worker then reads only the windows it serves, and the order torch's
-round-robin delivers is fixed by those two numbers (lanes.py), so states stay exact.
+`batch_size` as `torch_workers` and `torch_batch_size`: each worker then reads only the windows
+it serves, and the order torch's round-robin delivers is fixed by those two numbers
+(order/lanes.py), so states stay exact. (`num_workers` and `batch_size`, their old names here,
+are still accepted, with a DeprecationWarning: they mean something else for the loaders.)
 
 Epochs: a pass that delivered all its items is complete, whether or not the consumer drew
 StopIteration (Lightning and torch's DataLoader stop after `len()` batches); the next pass
@@ -13,15 +15,21 @@ after a resume mid-epoch (the resumed pass is shorter and ends with StopIteratio
 torch's DataLoader *with worker processes* the passes run in copies of the dataset, so the
 object in the main process cannot see them end: call `set_epoch(epoch)` before each epoch
 there (persistent workers, which would keep serving a stale copy, are refused).
+
+Why one module of ~570 lines: one class, whose order, progress, state and iteration protocol
+share its fields; the parts that stand alone (order arithmetic, block reads, views, state
+checks) live in order/, read/ and state.py.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
@@ -32,19 +40,12 @@ import numpy as np
 from ckptstore.errors import ObjectNotFoundError
 from ckptstore.stores import Store, open_store
 
-from .cache import ChunkCache
-from .errors import DatasetNotFoundError
-from .format import (
-    INDEX_KEY,
-    INT64_MAX,
-    FieldInfo,
-    check_int,
-    check_zarr_metadata,
-    load_index,
-)
-from .lanes import delivered, remaining, schedule, worker_pieces
-from .metrics import Metrics
-from .order import (
+from ..errors import DatasetNotFoundError
+from ..format.fields import FieldInfo
+from ..format.index import check_zarr_metadata, load_index
+from ..format.spec import INDEX_KEY
+from ..format.validate import INT64_MAX, check_int
+from ..order.epoch import (
     BALANCE,
     MAX_WORLD_SIZE,
     EpochOrder,
@@ -54,11 +55,15 @@ from .order import (
     merge_intervals,
     rank_plan,
 )
-from .order_full import FullOrder
-from .pipeline import dataset_windows
-from .reader import BlockReader, InlineExecutor
+from ..order.full import FullOrder
+from ..order.lanes import delivered, remaining, schedule, worker_pieces
+from ..read.block_lru import BlockLRU
+from ..read.blocks import BlockReader, InlineExecutor
+from ..read.cache import ChunkCache
+from ..read.metrics import Metrics
+from ..read.prefetch import dataset_windows
+from ..read.views import GatheredView, PlainView, merge_parts
 from .state import Progress, fresh, from_state, to_state
-from .views import GatheredView, PlainView, merge_parts
 
 _DEFAULT_WINDOW_BYTES = 32 << 20
 SHUFFLE_MODES = ("window", "full")
@@ -104,40 +109,23 @@ class _Pass:
         return self.count >= self.left
 
 
-class _BlockLRU:
-    """Decoded blocks kept across windows of the full-permutation order, least recently used
-    evicted past `limit_bytes` (0: none kept). Thread-safe."""
-
-    def __init__(self, limit_bytes: int) -> None:
-        self.limit, self.nbytes = limit_bytes, 0
-        self._blocks: dict[int, tuple[Any, int]] = {}
-        self._lock = threading.Lock()
-
-    def load(self, blocks: list[int], fetch: Any) -> list[Any]:
-        with self._lock:
-            hits = {b: self._blocks.pop(b) for b in blocks if b in self._blocks}
-            for b, v in hits.items():
-                self._blocks[b] = v  # most recently used last
-        missing = [b for b in blocks if b not in hits]
-        fetched = dict(zip(missing, fetch(missing), strict=True)) if missing else {}
-        with self._lock:
-            for b, blk in fetched.items():
-                size = _block_size(blk)
-                if size <= self.limit and b not in self._blocks:
-                    self._blocks[b] = (blk, size)
-                    self.nbytes += size
-            while self.nbytes > self.limit and self._blocks:
-                _, size = self._blocks.pop(next(iter(self._blocks)))
-                self.nbytes -= size
-        return [hits[b][0] if b in hits else fetched[b] for b in blocks]
-
-
-def _block_size(block: Any) -> int:
-    total = 0
-    for col in block.values():
-        for arr in col if isinstance(col, tuple) else (col,):
-            total += int(arr.nbytes) if arr is not None else 0
-    return total
+def _renamed(obj: object, old: str, old_value: int | None, new: str, value: int,
+             default: int) -> int:
+    """`value`, or what the caller gave under the parameter's deprecated name `old` (with a
+    DeprecationWarning attributed to the code that creates `obj`)."""
+    if old_value is None:
+        return value
+    if value != default:
+        raise TypeError(f"give {new} or its deprecated name {old}, not both")
+    level, frame = 2, inspect.currentframe()
+    frame = frame.f_back if frame is not None else None  # the __init__ that called this
+    while frame is not None and frame.f_code.co_name == "__init__" and (
+            frame.f_locals.get("self") is obj):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"{type(obj).__name__}({old}=...) is deprecated: call it {new} (for the loaders,"
+        f" {old} means something else)", DeprecationWarning, stacklevel=level)
+    return old_value
 
 
 class StreamingDataset:
@@ -151,8 +139,10 @@ class StreamingDataset:
     torch.distributed's (else 0/1); each rank gets a contiguous, near-equal share of the
     epoch; `balance` 'drop' or 'pad' makes the shares exactly equal. Reading: `fields`
     selects columns; `cache_dir` (with `cache_limit_bytes`) keeps verified chunks locally;
-    `io_threads` and `prefetch_bytes` apply when the dataset is iterated directly
-    (StreamingLoader has its own).
+    `io_threads` and `prefetch_bytes` apply when the dataset is iterated directly: they are
+    what `num_workers` and `prefetch_bytes` are to StreamingLoader and MixedLoader, which take
+    their own. Under torch's DataLoader with worker processes: `torch_workers` and
+    `torch_batch_size` are the DataLoader's `num_workers` and `batch_size` (see the module doc).
     """
 
     kind = "dataset"
@@ -177,10 +167,18 @@ class StreamingDataset:
         prefetch_bytes: int = 128 << 20,
         merge_gap: int = 1 << 20,
         max_request: int = 16 << 20,
-        batch_size: int = 1,
-        num_workers: int = 0,
+        torch_workers: int = 0,
+        torch_batch_size: int = 1,
         store_options: Mapping[str, Any] | None = None,
+        num_workers: int | None = None,
+        batch_size: int | None = None,
     ) -> None:
+        """`num_workers` and `batch_size` are the deprecated names of `torch_workers` and
+        `torch_batch_size` (DeprecationWarning)."""
+        torch_workers = _renamed(self, "num_workers", num_workers, "torch_workers",
+                                 torch_workers, 0)
+        torch_batch_size = _renamed(self, "batch_size", batch_size, "torch_batch_size",
+                                    torch_batch_size, 1)
         seed = check_int(seed, "seed", 0, None, ValueError)
         if shuffle_mode not in SHUFFLE_MODES:
             raise ValueError(f"shuffle_mode must be one of {SHUFFLE_MODES}, got {shuffle_mode!r}")
@@ -210,7 +208,7 @@ class StreamingDataset:
                 )
         self.shuffle, self.seed = bool(shuffle), seed
         self.full_shuffle = self.shuffle and shuffle_mode == "full"
-        self._blocks = _BlockLRU(check_int(block_cache_bytes, "block_cache_bytes", 0, None,
+        self._blocks = BlockLRU(check_int(block_cache_bytes, "block_cache_bytes", 0, None,
                                            ValueError))
         self.balance = balance
         self._rank, self._world = rank, world_size
@@ -239,9 +237,10 @@ class StreamingDataset:
         self._block_starts = self.index.block_starts()
         self._block_rows = self.index.block_rows()
         self.io_threads, self.prefetch_bytes = io_threads, prefetch_bytes
-        self.batch_size = max(1, int(batch_size))
-        # torch DataLoader's worker processes (0 or 1: none): they fix the delivery order
-        self.num_workers = check_int(num_workers, "num_workers", 0, 4096, ValueError)
+        # torch DataLoader's batch size and worker processes (0 or 1: none): with worker
+        # processes they fix the delivery order (order/lanes.py)
+        self.torch_batch_size = max(1, int(torch_batch_size))
+        self.torch_workers = check_int(torch_workers, "torch_workers", 0, 4096, ValueError)
         self._epoch = 0
         self._resume: Progress | None = None
         self._orders: dict[int, Any] = {}
@@ -250,6 +249,20 @@ class StreamingDataset:
         self._random_blocks: dict[int, Any] = {}  # ds[i]: a few decoded blocks, LRU
         self._random_lock = threading.Lock()
         register_with_torch()
+
+    @property
+    def num_workers(self) -> int:
+        """Deprecated name of `torch_workers`."""
+        warnings.warn("StreamingDataset.num_workers is deprecated: use torch_workers",
+                      DeprecationWarning, stacklevel=2)
+        return self.torch_workers
+
+    @property
+    def batch_size(self) -> int:
+        """Deprecated name of `torch_batch_size`."""
+        warnings.warn("StreamingDataset.batch_size is deprecated: use torch_batch_size",
+                      DeprecationWarning, stacklevel=2)
+        return self.torch_batch_size
 
     def _select_fields(self, names: Sequence[str] | None) -> tuple[FieldInfo, ...]:
         if names is None:
@@ -309,8 +322,8 @@ class StreamingDataset:
         }
         if self.full_shuffle:  # absent for window shuffle: older states stay valid
             options["shuffle_mode"] = "full"
-        if self.num_workers > 1:  # the order torch's worker processes deliver (lanes.py)
-            options["torch_workers"] = [self.num_workers, self.batch_size]
+        if self.torch_workers > 1:  # the order torch's worker processes deliver (lanes.py)
+            options["torch_workers"] = [self.torch_workers, self.torch_batch_size]
         return options
 
     def epoch_order(self, epoch: int) -> Any:
@@ -422,12 +435,12 @@ class StreamingDataset:
     def _fold(self, r: Progress) -> Any:
         """The items delivered by every rank of `r`'s topology, joined to its base."""
         order = self.epoch_order(r.epoch)
-        if self.num_workers <= 1:
+        if self.torch_workers <= 1:
             return advance(order.total, r.base, r.world_size, r.balance, r.consumed)
         done = [r.base]
         for rank in range(r.world_size):  # each rank's delivered items: a schedule prefix
             plan = rank_plan(order.total, r.base, r.world_size, rank, r.balance)
-            runs = schedule(order.pieces(plan.after(0)), self.num_workers, self.batch_size)
+            runs = schedule(order.pieces(plan.after(0)), self.torch_workers, self.torch_batch_size)
             done.append(delivered(runs, r.consumed, order.item_starts))
         return merge_intervals(np.concatenate([as_intervals(d) for d in done]))
 
@@ -436,7 +449,7 @@ class StreamingDataset:
         rank, world = self.topology()
         order = self.epoch_order(progress.epoch)
         plan = rank_plan(order.total, progress.base, world, rank, progress.balance)
-        runs = schedule(order.pieces(plan.after(0)), self.num_workers, self.batch_size)
+        runs = schedule(order.pieces(plan.after(0)), self.torch_workers, self.torch_batch_size)
         runs = remaining(runs, progress.consumed)
         if nw > 1:
             return order, worker_pieces(runs, wid, nw)
@@ -547,16 +560,17 @@ class StreamingDataset:
                     " would go wrong; use persistent_workers=False"
                 )
             self._worker_pid = os.getpid()
-        if nw > 1 and nw != self.num_workers:
+        if nw > 1 and nw != self.torch_workers:
             raise ValueError(
-                f"this dataset runs in torch DataLoader worker processes ({nw}): create it with"
-                f" num_workers={nw} and batch_size=<the DataLoader's>, so that its states"
-                " describe the order the workers deliver"
+                f"this dataset runs in torch DataLoader worker processes (the DataLoader's"
+                f" num_workers={nw}): create it with torch_workers={nw} and"
+                " torch_batch_size=<the DataLoader's batch_size>, so that its states describe"
+                " the order the workers deliver"
             )
         if self._next_epoch() != self._epoch:
             self.set_epoch(self._next_epoch())
         progress = self.begin(self._epoch)
-        if self.num_workers > 1:
+        if self.torch_workers > 1:
             order, pieces = self._lane_pieces(progress, wid, nw)
         else:
             order, pieces, _ = self.pieces(progress)

@@ -16,7 +16,7 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
-from ckptstore.format.hashing import digest, is_digest
+from ckptstore.toolkit import digest, is_digest
 
 
 class ChunkCache:

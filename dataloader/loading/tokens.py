@@ -21,10 +21,10 @@ import numpy as np
 
 from ckptstore.stores import Store
 
+from ..format.validate import INT64_MAX, check_int
+from ..order.epoch import EpochOrder
+from ..read.views import TokenView, finish_tokens
 from .dataset import StreamingDataset
-from .format import INT64_MAX, check_int
-from .order import EpochOrder
-from .views import TokenView, finish_tokens
 
 
 class TokenDataset(StreamingDataset):

@@ -37,25 +37,16 @@ import google_crc32c
 import numpy as np
 
 from ckptstore.errors import FormatError, ObjectNotFoundError
-from ckptstore.format.hashing import digest
-from ckptstore.pipeline.ranges import merge_ranges
 from ckptstore.stores import Store
+from ckptstore.toolkit import digest, merge_ranges
 
-from .errors import DatasetNotFoundError
-from .format import (
-    INDEX_KEY,
-    MAX_ZARR_JSON_BYTES,
-    ArrayInfo,
-    DatasetIndex,
-    FieldInfo,
-    ShardInfo,
-    _same_json,
-    load_index,
-    parse_json,
-    read_capped,
-    short_repr,
-)
-from .zarr_encoding import array_metadata
+from ..errors import DatasetNotFoundError
+from ..format.arrays import ArrayInfo, ShardInfo
+from ..format.fields import FieldInfo
+from ..format.index import DatasetIndex, load_index
+from ..format.spec import INDEX_KEY, MAX_ZARR_JSON_BYTES
+from ..format.validate import parse_json, read_capped, same_json, short_repr
+from ..format.zarr_encoding import array_metadata
 
 #: Problems listed at most (the count of all of them is always given).
 MAX_PROBLEMS = 200
@@ -236,7 +227,7 @@ def _check_array_json(store: Store, a: ArrayInfo, found: _Problems) -> None:
         got = doc.get(k, [] if k == "storage_transformers" else None)
         if k == "codecs":
             got = _normal_codecs(got, a)
-        if not _same_json(got, value):
+        if not same_json(got, value):
             found.add(f"{where}: {k} is {short_repr(doc.get(k))}, the index implies "
                       f"{short_repr(value)}")
     names = doc.get("dimension_names")

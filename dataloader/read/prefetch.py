@@ -18,9 +18,9 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar
 
+from ..order.epoch import Piece
+from .blocks import InlineExecutor
 from .metrics import Metrics
-from .order import Piece
-from .reader import InlineExecutor
 from .views import Batch, merge_parts
 
 T = TypeVar("T")

@@ -14,7 +14,7 @@ Collate = str | Callable[[dict[str, Any]], Any]
 def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
     """numpy arrays -> torch tensors (zero-copy); lists of arrays -> lists of tensors; other
     values (bytes, str, ints) unchanged."""
-    from ckptstore.deps import require
+    from ckptstore.toolkit import require
 
     torch = require("torch")
 

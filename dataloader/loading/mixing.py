@@ -3,7 +3,7 @@
 Item i of the mixed stream comes from source ``choice(i)``, drawn with the given weights from a
 generator seeded by (seed, i // 4096): the same on every rank and independent of workers and
 timing. Because every rank makes the same choices, each source is consumed in lockstep across
-ranks, so each source's own state (see order.py) stays exact, and the mixture's state is just
+ranks, so each source's own state (see order/epoch.py) stays exact, and the mixture's state is just
 its position plus one state per source. Each source keeps its own epochs: with
 ``stopping='never'`` a source that runs out starts its next epoch; with ``'first_exhausted'``
 the pass ends at the first item whose source has run out.
@@ -22,15 +22,15 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import StateMismatchError
+from ..format.validate import INT64_MAX, check_int, is_int, short_repr
+from ..order.epoch import rng_for
+from ..read.metrics import Metrics
+from ..read.prefetch import BackgroundIterator, dataset_windows, iter_batches
+from ..read.views import Batch, batch_len, merge_parts, slice_batch
 from .collate import Collate, resolve
 from .dataset import StreamingDataset
-from .errors import StateMismatchError
-from .format import INT64_MAX, check_int, is_int, short_repr
-from .metrics import Metrics
-from .order import rng_for
-from .pipeline import BackgroundIterator, dataset_windows, iter_batches
 from .state import STATE_FORMAT, STATE_VERSION, Progress, check_header
-from .views import Batch, batch_len, merge_parts, slice_batch
 
 _TAG_MIX = 0x313C
 _CHOICE_BLOCK = 4096
@@ -106,7 +106,12 @@ class _Source:
 
 
 class MixedLoader:
-    """Batches mixing `datasets` with `weights` (normalised). See the module doc."""
+    """Batches mixing `datasets` with `weights` (normalised). See the module doc.
+
+    `batch_size`, `num_workers` and `prefetch_bytes` mean what they mean for StreamingLoader,
+    for each source: every dataset is read by its own `num_workers` request threads within its
+    own `prefetch_bytes` of windows loaded ahead.
+    """
 
     def __init__(
         self,
@@ -134,9 +139,9 @@ class MixedLoader:
         if any(n != names[0] for n in names) or len({type(d) for d in datasets}) != 1:
             raise ValueError(f"mixed datasets must have the same fields and mode, got {names}")
         seed = check_int(seed, "seed", 0, None, ValueError)
-        if any(getattr(d, "num_workers", 0) > 1 for d in datasets):
+        if any(getattr(d, "torch_workers", 0) > 1 for d in datasets):
             raise ValueError(
-                "a dataset made for torch's DataLoader worker processes (num_workers > 1)"
+                "a dataset made for torch's DataLoader worker processes (torch_workers > 1)"
                 " cannot be mixed: MixedLoader has its own threads"
             )
         self.datasets = list(datasets)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.deps import missing
+from ckptstore.toolkit import missing
 
 try:
     from ray.data import Datasink
@@ -32,7 +32,8 @@ except ModuleNotFoundError as _exc:  # ray is the `ray` extra
 from ckptstore.errors import ObjectExistsError
 from ckptstore.stores import open_store
 
-from .format import INDEX_KEY, DatasetIndex
+from ..format.index import DatasetIndex
+from ..format.spec import INDEX_KEY
 from .partitions import commit_dataset, write_partition
 
 __all__ = ["RayDatasink"]

@@ -1,4 +1,4 @@
-"""Writing datasets: samples (dicts of numpy arrays, ints, floats, bools, bytes, str) become one
+"""Writing one dataset (or one partition) as a stream: checked samples (samples.py) become one
 sharded zarr v3 array per field (variable-length fields as data + offsets), each written by an
 ArrayWriter (array_writer.py) through a thin adapter over a ckptstore Store, then
 ``dataset.json`` is created last.
@@ -8,16 +8,14 @@ dataset; a failed or abandoned write leaves arrays but no index. Chunk digests a
 encoded bytes before they are put (no read-back). Bad samples raise TypeError/ValueError naming
 the sample index and field, before anything of that sample is written.
 
-Why one module of ~580 lines: sample validation, the choice of chunking and the index are one
+Why one module of ~340 lines: the choice of chunking, the field writers and the index are one
 write; the field writers share the block bookkeeping that the index records.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -25,174 +23,34 @@ import numpy as np
 from ckptstore.errors import FormatError, ObjectExistsError
 from ckptstore.stores import Store, is_local_uri, open_store
 
-from .array_writer import ArrayWriter, ObjectWrites
-from .format import (
+from ..format.fields import FieldInfo
+from ..format.index import DatasetIndex, load_index
+from ..format.spec import (
     INDEX_KEY,
-    KINDS,
     MAX_CHUNK_NBYTES,
     MAX_INDEX_BYTES,
     MAX_METADATA_DEPTH,
-    MAX_NDIM,
     MAX_ROWS_PER_CHUNK,
-    DatasetIndex,
-    FieldInfo,
-    check_int,
-    json_depth,
-    load_index,
     validate_field_name,
 )
-from .zarr_encoding import group_metadata
+from ..format.validate import check_int, json_depth
+from ..format.zarr_encoding import group_metadata
+from .array_writer import ArrayWriter, ObjectWrites
+from .samples import (
+    PROBE_BYTES,
+    PROBE_SAMPLES,
+    Spec,
+    as_stored,
+    check_sample,
+    choose_rows_per_chunk,
+    infer_specs,
+    value_nbytes,
+)
 
-__all__ = ["DatasetWriter", "write_dataset"]
+__all__ = ["DatasetWriter", "clear_target", "open_target"]
 
-_PROBE_SAMPLES = 1024
-_PROBE_BYTES = 32 << 20
 _MAX_CHUNKS_PER_SHARD = 1024
 _COMMIT_BYTES = 256 << 20  # a deferred batch is committed once this much waits (memory, fds)
-
-
-@dataclass
-class _Spec:
-    """A field's inferred (or declared) type."""
-
-    name: str
-    kind: str
-    dtype: np.dtype
-    shape: tuple[int, ...] | None = None
-    ndim: int = 0
-
-
-def _bad(i: int, name: str, msg: str, exc: type[Exception] = TypeError) -> Exception:
-    return exc(f"sample {i}, field {name!r}: {msg}")
-
-
-def _infer(i: int, name: str, value: Any, declared: str | None) -> _Spec:
-    """Infer a field's spec from its first value (and an optional declared kind)."""
-    if declared is not None and declared not in KINDS:
-        raise ValueError(
-            f"schema for field {name!r}: unknown kind {declared!r} (use one of {KINDS})"
-        )
-    if isinstance(value, bool | int | float | np.generic) or (
-        isinstance(value, np.ndarray) and value.ndim == 0
-    ):
-        if isinstance(value, int) and not isinstance(value, bool):
-            if not _fits_int64(value):
-                raise _bad(i, name, f"int {value} does not fit in int64", ValueError)
-            arr = np.asarray(value, dtype=np.int64)
-        else:
-            arr = np.asarray(value)
-        _check_dtype(i, name, arr.dtype)
-        kind = declared or "scalar"
-        if kind != "scalar":
-            raise _bad(i, name, f"declared {kind!r} but the value is a scalar")
-        return _Spec(name, "scalar", arr.dtype)
-    if isinstance(value, np.ndarray):
-        _check_dtype(i, name, value.dtype)
-        kind = declared or "ragged"
-        if value.ndim > MAX_NDIM:
-            raise _bad(i, name, f"{value.ndim} dimensions (at most {MAX_NDIM})", ValueError)
-        if kind == "fixed" and 0 in value.shape:
-            raise _bad(
-                i, name, f"fixed shape {value.shape} is empty (declare it 'ragged')", ValueError
-            )
-        if kind == "fixed":
-            return _Spec(name, "fixed", value.dtype, tuple(value.shape), value.ndim)
-        if kind == "ragged":
-            return _Spec(name, "ragged", value.dtype, None, value.ndim)
-        raise _bad(i, name, f"declared {kind!r} but the value is a numpy array")
-    if isinstance(value, bytes | bytearray | memoryview):
-        if declared not in (None, "bytes"):
-            raise _bad(i, name, f"declared {declared!r} but the value is bytes")
-        return _Spec(name, "bytes", np.dtype(np.uint8), None, 1)
-    if isinstance(value, str):
-        if declared not in (None, "str"):
-            raise _bad(i, name, f"declared {declared!r} but the value is a str")
-        return _Spec(name, "str", np.dtype(np.uint8), None, 1)
-    raise _bad(
-        i,
-        name,
-        f"unsupported type {type(value).__name__} (use numpy arrays, int, float, bool, bytes, str)",
-    )
-
-
-def _fits_int64(v: int) -> bool:
-    return -(2**63) <= v < 2**63
-
-
-def _check_dtype(i: int, name: str, dt: np.dtype) -> None:
-    if dt.kind not in "biufc" or dt.hasobject or dt.fields is not None:
-        raise _bad(i, name, f"unsupported dtype {dt} (numeric and bool dtypes only)")
-
-
-def _coerce(i: int, spec: _Spec, value: Any) -> Any:
-    """Check one value against its field's spec; return what the column buffer keeps."""
-    name, kind = spec.name, spec.kind
-    if kind == "scalar":
-        if isinstance(value, np.ndarray) and value.ndim == 0:
-            value = value[()]
-        if isinstance(value, bool | np.bool_):
-            ok = spec.dtype.kind == "b"
-        elif isinstance(value, int):
-            ok = spec.dtype.kind in "iuf"
-            if ok and spec.dtype.kind in "iu":
-                info = np.iinfo(spec.dtype)
-                if not info.min <= value <= info.max:
-                    raise _bad(i, name, f"int {value} does not fit in {spec.dtype}", ValueError)
-        elif isinstance(value, float):
-            ok = spec.dtype.kind in "fc"
-        elif isinstance(value, np.generic):
-            ok = np.can_cast(value.dtype, spec.dtype, "safe")
-        else:
-            ok = False
-        if not ok:
-            raise _bad(
-                i, name, f"expected a {spec.dtype} scalar, got {type(value).__name__} {value!r:.40}"
-            )
-        return value
-    if kind in ("fixed", "ragged"):
-        if not isinstance(value, np.ndarray):
-            raise _bad(
-                i, name, f"expected a numpy array of {spec.dtype}, got {type(value).__name__}"
-            )
-        if not np.can_cast(value.dtype, spec.dtype, "safe"):
-            raise _bad(i, name, f"expected dtype {spec.dtype}, got {value.dtype}")
-        if kind == "fixed" and value.shape != spec.shape:
-            raise _bad(
-                i,
-                name,
-                f"expected shape {spec.shape}, got {value.shape} (declare the field "
-                "'ragged' in schema= for variable shapes)",
-                ValueError,
-            )
-        if kind == "ragged" and value.ndim != spec.ndim:
-            raise _bad(
-                i, name, f"expected {spec.ndim} dimensions, got shape {value.shape}", ValueError
-            )
-        return value
-    if kind == "bytes":
-        if not isinstance(value, bytes | bytearray | memoryview):
-            raise _bad(i, name, f"expected bytes, got {type(value).__name__}")
-        return bytes(value)
-    if not isinstance(value, str):
-        raise _bad(i, name, f"expected str, got {type(value).__name__}")
-    try:
-        return value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise _bad(i, name, f"str is not encodable as UTF-8 ({exc.reason})", ValueError) from None
-
-
-def _as_stored(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """`value`'s elements in the field's (little-endian) dtype, C-contiguous: a view when
-    they already are."""
-    return np.ascontiguousarray(value, dtype=np.dtype(dtype).newbyteorder("<"))
-
-
-def _value_nbytes(spec: _Spec, v: Any) -> int:
-    if spec.kind == "scalar":
-        return spec.dtype.itemsize
-    if spec.kind in ("fixed", "ragged"):
-        return int(v.size) * spec.dtype.itemsize + (8 if spec.kind == "ragged" else 0)
-    return len(v) + 8
 
 
 class DatasetWriter:
@@ -242,8 +100,8 @@ class DatasetWriter:
             self._check_target(overwrite)
         self._arrays: dict[str, ArrayWriter] = {}
         self._writes = ObjectWrites(self.store, self._prefix)
-        self._specs: dict[str, _Spec] | None = None
-        self._probe_specs: dict[str, _Spec] | None = None
+        self._specs: dict[str, Spec] | None = None
+        self._probe_specs: dict[str, Spec] | None = None
         self._probe: list[dict[str, Any]] = []
         self._probe_bytes = 0
         self._block: list[dict[str, Any]] = []
@@ -255,21 +113,7 @@ class DatasetWriter:
         self._closed = False
 
     def _check_target(self, overwrite: bool) -> None:
-        if not self.store.exists(INDEX_KEY):
-            return
-        if not overwrite:
-            raise ObjectExistsError(
-                f"{self.store.uri}: a dataset exists here already"
-                " (pass overwrite=True to replace it)"
-            )
-        try:
-            paths = list(load_index(self.store).arrays)
-        except FormatError:
-            paths = []
-        self.store.delete(INDEX_KEY)  # the old dataset becomes invisible first
-        for path in paths:
-            for info in list(self.store.list(path + "/")):
-                self.store.delete(info.key)
+        clear_target(self.store, overwrite)
 
     # -- adding samples -------------------------------------------------------------------
     def add(self, sample: Mapping[str, Any]) -> None:
@@ -292,14 +136,14 @@ class DatasetWriter:
         self._count += 1
         if self._specs is None:
             self._probe.append(row)
-            self._probe_bytes += sum(_value_nbytes(specs[k], v) for k, v in row.items())
-            if len(self._probe) >= _PROBE_SAMPLES or self._probe_bytes >= _PROBE_BYTES:
+            self._probe_bytes += sum(value_nbytes(specs[k], v) for k, v in row.items())
+            if len(self._probe) >= PROBE_SAMPLES or self._probe_bytes >= PROBE_BYTES:
                 self._start()
         else:
             self._push(row)
 
     def _check_sample(
-        self, i: int, sample: Mapping[str, Any], specs: dict[str, _Spec]
+        self, i: int, sample: Mapping[str, Any], specs: dict[str, Spec]
     ) -> dict[str, Any]:
         return check_sample(i, sample, specs)
 
@@ -316,7 +160,7 @@ class DatasetWriter:
         self._R = R
         n = max(1, total)
         per_field = {
-            k: sum(_value_nbytes(s, r[k]) for r in self._probe) / n for k, s in specs.items()
+            k: sum(value_nbytes(s, r[k]) for r in self._probe) / n for k, s in specs.items()
         }
 
         def shards(chunk_nbytes: int, chunks_needed: int | None = None) -> int:
@@ -336,7 +180,7 @@ class DatasetWriter:
                 min(max(4 << 10, block_data / 4), self.chunk_bytes)
             )
             ce = max(1, chunk_b // item)
-            elems = sum(_value_nbytes(spec, r[name]) - 8 for r in self._probe) // item
+            elems = sum(value_nbytes(spec, r[name]) - 8 for r in self._probe) // item
             if final and self.data_chunk_bytes is None:
                 ce = min(ce, max(1, elems))
             self._add_array(
@@ -386,12 +230,12 @@ class DatasetWriter:
                 self._arrays[name].append(np.asarray(vals, dtype=spec.dtype))
                 continue
             if spec.kind == "fixed":  # shapes were checked by _coerce
-                self._arrays[name].append_parts(_as_stored(v, spec.dtype) for v in vals)
+                self._arrays[name].append_parts(as_stored(v, spec.dtype) for v in vals)
                 continue
             data = self._arrays[f"{name}/data"]
             if spec.kind == "ragged":
                 lengths = np.fromiter((v.size for v in vals), dtype=np.int64, count=len(vals))
-                data.append_parts(_as_stored(v, spec.dtype) for v in vals)
+                data.append_parts(as_stored(v, spec.dtype) for v in vals)
                 if spec.ndim > 1:
                     self._arrays[f"{name}/shapes"].append(
                         np.asarray([v.shape for v in vals], dtype=np.int64).reshape(
@@ -501,6 +345,24 @@ class DatasetWriter:
             self.abandon()  # no index: the dataset stays invisible
 
 
+def clear_target(store: Store, overwrite: bool) -> None:
+    """Refuse (or, with overwrite, make invisible and delete) a dataset already there."""
+    if not store.exists(INDEX_KEY):
+        return
+    if not overwrite:
+        raise ObjectExistsError(
+            f"{store.uri}: a dataset exists here already (pass overwrite=True to replace it)"
+        )
+    try:
+        paths = list(load_index(store).arrays)
+    except FormatError:
+        paths = []
+    store.delete(INDEX_KEY)  # the old dataset becomes invisible first
+    for path in paths:
+        for info in list(store.list(path + "/")):
+            store.delete(info.key)
+
+
 def open_target(uri: str | Store, store_options: Mapping[str, Any] | None) -> Store:
     """The store a dataset is written to. Local folders get ``direct_io`` unless
     `store_options` say otherwise: raw shards, built in page-aligned buffers, then go to the
@@ -513,88 +375,3 @@ def open_target(uri: str | Store, store_options: Mapping[str, Any] | None) -> St
     return open_store(uri, **options)
 
 
-def infer_specs(i: int, sample: Mapping[str, Any], schema: Mapping[str, str]) -> dict[str, _Spec]:
-    """The fields' specs, from sample `i` (the first) and the declared kinds."""
-    if not sample:
-        raise ValueError(f"sample {i}: a sample needs at least one field")
-    specs = {}
-    for name, value in sample.items():
-        validate_field_name(name)
-        specs[name] = _infer(i, name, value, schema.get(name))
-    unknown = set(schema) - set(specs)
-    if unknown:
-        raise ValueError(f"sample {i}: schema names fields {sorted(unknown)} not in the sample")
-    return specs
-
-
-def check_sample(i: int, sample: Mapping[str, Any], specs: dict[str, _Spec]) -> dict[str, Any]:
-    """Check sample `i` against the specs; return its values as the writer keeps them."""
-    keys = set(sample)
-    if keys != set(specs):
-        missing, extra = sorted(set(specs) - keys), sorted(keys - set(specs))
-        parts = ([f"missing field(s) {missing}"] if missing else []) + (
-            [f"unexpected field(s) {extra}"] if extra else []
-        )
-        raise ValueError(f"sample {i}: {', '.join(parts)} (fields are {sorted(specs)})")
-    return {name: _coerce(i, spec, sample[name]) for name, spec in specs.items()}
-
-
-def choose_rows_per_chunk(
-    specs: Mapping[str, _Spec], probe: list[dict[str, Any]], chunk_bytes: int, final: bool
-) -> int:
-    """Samples per block: about `chunk_bytes` of the probe's average row, at most 65,536, and
-    (when the probe is the whole dataset) at most the number of samples."""
-    n = max(1, len(probe))
-    per_field = {k: sum(_value_nbytes(s, r[k]) for r in probe) / n for k, s in specs.items()}
-    row_bytes = max(1.0, sum(per_field.values()))
-    R = int(min(max(1, chunk_bytes // row_bytes), 1 << 16))
-    return max(1, min(R, len(probe))) if final else R
-
-
-def as_samples(samples: Any) -> Any:
-    """`samples` as an iterable of sample dicts: a Hugging Face dataset object, a source path
-    or a Source is read through dataloader.sources; anything else is returned as it is."""
-    from .sources import Source, open_source
-    from .sources.hf import dataset_samples, is_hf_dataset
-
-    if is_hf_dataset(samples):
-        return dataset_samples(samples)
-    if isinstance(samples, os.PathLike):
-        return open_source(os.fspath(samples)).samples()
-    if isinstance(samples, Source):
-        return samples.samples()
-    return samples
-
-
-def write_dataset(
-    uri: str | Store,
-    samples: Iterable[Mapping[str, Any]] | os.PathLike[str] | Any,
-    *,
-    workers: int | None = None,
-    partition_rows: int | None = None,
-    **options: Any,
-) -> DatasetIndex:
-    """Write `samples` as a dataset at `uri` and return its index. See DatasetWriter for
-    options (schema, rows_per_chunk, chunk_bytes, shard_bytes, compression, metadata,
-    overwrite, store_options).
-
-    `workers`: None writes one stream (a v1 dataset, arrays at the root). An int (0: the
-    number of cores) encodes and writes partitions of `partition_rows` samples on that many
-    threads and commits them (a partitioned dataset, see partitions.py); the result is the
-    same, byte for byte, for every number of workers. `executor="processes"` uses forked
-    processes instead of threads (see partitions.write_dataset_parallel).
-
-    `samples` may also be a Hugging Face ``datasets.Dataset`` / ``IterableDataset`` (its
-    rows, read as Arrow batches), a path (``pathlib.Path``) of any source `ckpt-data convert`
-    reads (format detected), or a `dataloader.sources.Source` (``open_source(path, ...)``)."""
-    samples = as_samples(samples)
-    if workers is not None or partition_rows is not None or "executor" in options:
-        from .partitions import write_dataset_parallel
-
-        return write_dataset_parallel(
-            uri, samples, workers=workers or None, partition_rows=partition_rows, **options
-        )
-    with DatasetWriter(uri, **options) as writer:
-        for sample in samples:
-            writer.add(sample)
-        return writer.close()

@@ -29,9 +29,10 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from ckptstore.format.hashing import digest
+from ckptstore.toolkit import digest
 
-from .format import EMPTY, ShardInfo
+from .arrays import ShardInfo
+from .spec import EMPTY
 
 __all__ = ["EncodedShard", "array_metadata", "encode_shard", "group_metadata", "tail_nbytes"]
 

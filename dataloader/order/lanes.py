@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .order import Piece
+from .epoch import Piece
 
 Run = tuple[int, list[Piece]]  # (lane, the pieces of one run)
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from .format import FieldInfo
-from .reader import Block
+from ..format.fields import FieldInfo
+from .blocks import Block
 
 Batch = dict[str, Any]
 

@@ -16,64 +16,41 @@ Partitions never committed (an abandoned job, a retried task's older copy under 
 index) are orphans: `gc_partitions` removes the ``parts/<i>/`` prefixes that the committed
 index does not list and whose newest object is older than a grace period.
 
-`write_dataset_parallel` (``write_dataset(..., workers=N)``) is this API driven by threads.
-JSON only: receipts and indexes never go through pickle.
-
-Why one module of ~430 lines: the partition lifecycle (write, receipt, commit checks, orphan
-collection) and its two local drivers (threads, forked processes) share the receipt format.
+`write_dataset_parallel` (``write_dataset(..., workers=N)``, parallel.py) is this API driven by
+threads or forked processes. JSON only: receipts and indexes never go through pickle.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from ckptstore.errors import FormatError, ObjectExistsError, ObjectNotFoundError
-from ckptstore.format.hashing import HASH_NAME, digest
 from ckptstore.stores import Store, open_store
+from ckptstore.toolkit import HASH_NAME, digest
 
-from .forked import run_forked
-from .format import (
+from ..format.arrays import ShardInfo
+from ..format.index import DatasetIndex, check_zarr_metadata, load_index
+from ..format.spec import (
     FORMAT_NAME,
     INDEX_KEY,
     MAX_INDEX_BYTES,
     PARTITION_PREFIX,
     PARTITIONED_VERSION,
-    DatasetIndex,
-    ShardInfo,
-    check_int,
-    check_zarr_metadata,
-    load_index,
     partition_prefix,
-    short_repr,
 )
-from .writer import (
-    _PROBE_BYTES,
-    _PROBE_SAMPLES,
-    DatasetWriter,
-    _Spec,
-    _value_nbytes,
-    check_sample,
-    choose_rows_per_chunk,
-    infer_specs,
-    open_target,
-)
+from ..format.validate import check_int, short_repr
+from .dataset_writer import DatasetWriter
 
-__all__ = ["commit_dataset", "gc_partitions", "write_dataset_parallel", "write_partition"]
+__all__ = ["commit_dataset", "fill_partition", "gc_partitions", "write_partition"]
 
 RECEIPT_FORMAT = FORMAT_NAME + ".partition"
 RECEIPT_VERSION = 1
 MAX_PARTITION = 10**12 - 1  # parts/ + up to 12 digits
-_PARTITION_BLOCKS = 16  # default partition: each costs ~15 fsyncs and ~5 objects however small
-_MAX_SEALING = 2  # filled partitions being sealed (each holds its last shards' buffers)
-_SEALERS = 2  # threads writing partitions' last shards and waiting for their fsyncs
-_WRITER_OPTIONS = (
+#: The options of DatasetWriter a partition takes (metadata is the commit's).
+WRITER_OPTIONS = (
     "schema", "rows_per_chunk", "chunk_bytes", "shard_bytes", "data_chunk_bytes", "compression",
     "store_options",
 )  # fmt: skip
@@ -95,10 +72,10 @@ def write_partition(
     whose fields differ. An empty partition writes nothing and gives a receipt that the commit
     skips. Safe to call again for the same index (same samples: same bytes, same receipt).
     `first_sample` only numbers the samples in error messages."""
-    return _fill_partition(uri, index, samples, first_sample, options)()
+    return fill_partition(uri, index, samples, first_sample, options)()
 
 
-def _fill_partition(
+def fill_partition(
     uri: str | Store, index: int, samples: Iterable[Mapping[str, Any]], first_sample: int,
     options: Mapping[str, Any],
 ) -> Callable[[], dict[str, Any]]:
@@ -106,7 +83,7 @@ def _fill_partition(
     are written on the way). Returns the rest, to call once, on any thread: write the last
     shards and the metadata, commit, return the receipt (or abandon and raise)."""
     index = check_int(index, "partition index", 0, MAX_PARTITION, ValueError)
-    unknown = sorted(set(options) - set(_WRITER_OPTIONS))
+    unknown = sorted(set(options) - set(WRITER_OPTIONS))
     if unknown:
         raise TypeError(f"write_partition: unexpected option(s) {unknown} (metadata: commit)")
     prefix = partition_prefix(index)
@@ -195,7 +172,7 @@ def commit_dataset(
             "metadata": meta,
             "fingerprint": "0" * 32,
         }
-        draft = DatasetIndex._partitioned(doc, "commit", total, rows, meta)
+        draft = DatasetIndex.parse_partitioned(doc, "commit", total, rows, meta)
         index = replace(draft, fingerprint=DatasetIndex.compute_fingerprint(draft.body()))
         raw = index.to_bytes()
         if len(raw) > MAX_INDEX_BYTES:
@@ -291,170 +268,3 @@ def _delete_old_temps(store: Store, cutoff: float) -> None:
     for info in list(temp_files()):
         if info.mtime <= cutoff:
             store.delete_temp(info.key)  # type: ignore[attr-defined]
-
-
-# -- the same API driven by threads -----------------------------------------------------
-def _probe(
-    it: Iterator[Mapping[str, Any]], schema: Mapping[str, str]
-) -> tuple[list[Mapping[str, Any]], dict[str, _Spec], list[dict[str, Any]], bool]:
-    """Read and check the first samples (as DatasetWriter's probe does, with the same
-    messages): the samples, their specs, their values as the writer keeps them, and whether
-    that was every sample."""
-    probe: list[Mapping[str, Any]] = []
-    rows: list[dict[str, Any]] = []
-    specs: dict[str, _Spec] = {}
-    size = 0
-    for sample in it:
-        i = len(probe)
-        if not isinstance(sample, Mapping):
-            raise TypeError(
-                f"sample {i}: expected a dict of field -> value, got {type(sample).__name__}"
-            )
-        if not specs:
-            specs = infer_specs(i, sample, schema)
-        rows.append(check_sample(i, sample, specs))
-        probe.append(sample)
-        size += sum(_value_nbytes(specs[k], v) for k, v in rows[-1].items())
-        if len(probe) >= _PROBE_SAMPLES or size >= _PROBE_BYTES:
-            return probe, specs, rows, False
-    return probe, specs, rows, True
-
-
-def write_dataset_parallel(
-    uri: str | Store,
-    samples: Iterable[Mapping[str, Any]],
-    *,
-    workers: int | None = None,
-    partition_rows: int | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    executor: str = "threads",
-    **options: Any,
-) -> DatasetIndex:
-    """`write_dataset` with `workers` threads: partitions of `partition_rows` samples (default
-    16 blocks, about 64 MiB) are written concurrently and committed in order. The result
-    depends only on the samples and options, never on `workers` or `executor` (same bytes,
-    same fingerprint). Memory: at most workers + 2 partitions of samples, and the last shards
-    of at most 3 partitions being sealed, are held at a time.
-
-    `executor="processes"`: forked worker processes (POSIX only) each write every
-    `workers`-th partition of `samples`, which must then be a sequence already in memory
-    (a list): the children read it from the memory they inherit, so no sample is serialized;
-    receipts come back as JSON bytes over pipes. `uri` must be a URI, not a memory store."""
-    workers = check_int(workers or os.cpu_count() or 1, "workers", 1, 4096, ValueError)
-    unknown = sorted(set(options) - set(_WRITER_OPTIONS))
-    if unknown:
-        raise TypeError(f"write_dataset: unexpected option(s) {unknown}")
-    if executor not in ("threads", "processes"):
-        raise ValueError(f"executor must be 'threads' or 'processes', got {executor!r}")
-    store_options = dict(options.pop("store_options", None) or {})
-    if executor == "processes":
-        if not isinstance(samples, Sequence) or isinstance(uri, Store):
-            raise ValueError("executor='processes' needs a sequence of samples and a URI")
-        if uri.startswith("memory://"):
-            raise ValueError("executor='processes' cannot write to a memory store")
-    store = open_target(uri, store_options)
-    try:
-        _clear_target(store, overwrite)
-        it = iter(samples)
-        probe, specs, rows, final = _probe(it, dict(options.get("schema") or {}))
-        R = options.get("rows_per_chunk") or (
-            choose_rows_per_chunk(specs, rows, int(options.get("chunk_bytes", 4 << 20)), final)
-            if specs
-            else 1
-        )
-        del rows
-        opts = {**options, "rows_per_chunk": R}
-        if specs:  # every partition gets the kinds the first samples showed
-            opts["schema"] = {k: s.kind for k, s in specs.items()}
-        per_part = partition_rows or _PARTITION_BLOCKS * R
-        per_part = check_int(per_part, "partition_rows", 1, None, ValueError)
-        if executor == "processes":
-            assert isinstance(samples, Sequence) and isinstance(uri, str)
-            opts["store_options"] = store_options
-            return commit_dataset(store, _write_forked(uri, samples, per_part, workers, opts),
-                                  metadata)
-
-        def write(p: int, part: list[Mapping[str, Any]]) -> Future[dict[str, Any]]:
-            seal = _fill_partition(store, p, part, p * per_part, opts)
-            # the writer thread goes on to its next partition while the last shards are
-            # written and made durable
-            return sealer.submit(seal)
-
-        receipts: list[dict[str, Any]] = []
-        writing: deque[Future[Future[dict[str, Any]]]] = deque()
-        sealing: deque[Future[dict[str, Any]]] = deque()
-        with ThreadPoolExecutor(workers, thread_name_prefix="dataloader-write") as pool, \
-                ThreadPoolExecutor(_SEALERS, thread_name_prefix="dataloader-seal") as sealer:
-            try:
-                part: list[Mapping[str, Any]] = []
-                p = 0
-                samples_in_order = itertools.chain(probe, it)
-                del probe  # held by the chain only until it is consumed
-
-                def settle(max_writing: int) -> None:
-                    while len(writing) > max_writing:
-                        sealing.append(writing.popleft().result())
-                        while len(sealing) > _MAX_SEALING:
-                            receipts.append(sealing.popleft().result())
-
-                for sample in samples_in_order:
-                    part.append(sample)
-                    if len(part) == per_part:
-                        writing.append(pool.submit(write, p, part))
-                        part, p = [], p + 1
-                        settle(workers)
-                if part or p == 0:
-                    writing.append(pool.submit(write, p, part))
-                settle(0)
-                receipts.extend(f.result() for f in sealing)
-                sealing.clear()
-            except BaseException:
-                for fut in writing:
-                    fut.cancel()
-                raise
-        return commit_dataset(store, receipts, metadata)
-    finally:
-        if not isinstance(uri, Store):
-            store.close()
-
-
-def _write_forked(
-    uri: str, samples: Sequence[Mapping[str, Any]], per_part: int, workers: int,
-    opts: dict[str, Any],
-) -> list[dict[str, Any]]:
-    """Partitions written by `workers` forked processes (partition p by child p % workers).
-    Only bytes cross the pipes (JSON receipts, error text): nothing is pickled."""
-    count = max(1, -(-len(samples) // per_part))
-    workers = min(workers, count)
-
-    def write_every_kth(k: int) -> Iterator[dict[str, Any]]:
-        for p in range(k, count, workers):
-            part = samples[p * per_part : (p + 1) * per_part]
-            yield write_partition(uri, p, part, first_sample=p * per_part, **opts)
-
-    receipts = run_forked(
-        workers, write_every_kth, what="writer",
-        error=lambda kind, msg: RuntimeError(f"partition write failed: {kind}: {msg}"),
-    )
-    if len(receipts) != count:
-        raise RuntimeError(f"{count - len(receipts)} partition(s) were not written")
-    return receipts
-
-
-def _clear_target(store: Store, overwrite: bool) -> None:
-    """Refuse (or, with overwrite, make invisible and delete) a dataset already there."""
-    if not store.exists(INDEX_KEY):
-        return
-    if not overwrite:
-        raise ObjectExistsError(
-            f"{store.uri}: a dataset exists here already (pass overwrite=True to replace it)"
-        )
-    try:
-        paths = list(load_index(store).arrays)
-    except FormatError:
-        paths = []
-    store.delete(INDEX_KEY)  # the old dataset becomes invisible first
-    for path in paths:
-        for info in list(store.list(path + "/")):
-            store.delete(info.key)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .order import Piece, rng_for, split_pieces
+from .epoch import Piece, rng_for, split_pieces
 
 _TAG_FULL = 0xF011
 _ROUNDS = 6

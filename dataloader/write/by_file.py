@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..forked import run_forked
-from ..format import DatasetIndex
-from ..partitions import _probe, commit_dataset, write_partition
-from ..writer import choose_rows_per_chunk
-from .base import Source
+from ..format.index import DatasetIndex
+from ..sources.base import Source
+from .forked import run_forked
+from .partitions import commit_dataset, write_partition
+from .samples import choose_rows_per_chunk, probe_samples
 
 STRIDE = 1_000_000  # partitions per file, at most
 
@@ -45,7 +45,7 @@ def convert_by_file(
     metadata: dict[str, Any], on_samples: Callable[[int], None] = lambda n: None,
 ) -> DatasetIndex:
     """Write `source` (which must offer `file_samples`) file by file and commit it."""
-    probe, specs, rows, final = _probe(source.samples(), schema)
+    probe, specs, rows, final = probe_samples(source.samples(), schema)
     del probe
     if not specs:
         raise ValueError(f"{source.files[0]}: no samples (a dataset needs at least one)")
