@@ -13,6 +13,7 @@ Where things are (each folder's `__init__` says more; imports flow down this lis
     tools/           copying, inspection, import/export, the zarr view
     training/        CheckpointManager, torch.distributed, RNG state, Lightning
     cli/             the `ckpt` command
+    toolkit.py       the stable building blocks other packages (the dataloader) import
 """
 
 from __future__ import annotations
