@@ -11,7 +11,8 @@ Where things are (each folder's `__init__` says more; imports flow down this lis
     tiers/           tiered repositories: tier list, far tiers, replication, pending records
     repository/      CheckpointStore: one store (single.py) or tiers of them (tiered.py)
     tools/           copying, inspection, import/export, the zarr view
-    training/        CheckpointManager, torch.distributed, RNG state, Lightning
+    training/        CheckpointManager, torch.distributed, peers, RNG state, integrations
+    healing/         live healing: a replica's state served chunk by chunk, fetched verified
     cli/             the `ckpt` command
     toolkit.py       the stable building blocks other packages (the dataloader) import
 """

@@ -1,3 +1,3 @@
-"""The package version (one place; pyproject.toml holds the same)."""
+"""The package version, in one place: pyproject.toml reads it (`[tool.setuptools.dynamic]`)."""
 
 __version__ = "0.1.0"

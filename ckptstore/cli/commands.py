@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import (
-    BucketNotFoundError,
     CheckpointNotFoundError,
     CkptStoreError,
     FormatError,
     LeaseBusyError,
-    ObjectNotFoundError,
-    RepositoryNotFoundError,
 )
 from ..format.manifest import Manifest
 from ..layout import BLOB_PREFIX, MANIFEST_PREFIX, manifest_key
@@ -29,10 +25,10 @@ from ..maintenance import checks as maintenance
 from ..maintenance import leases
 from ..redact import redact_uri
 from ..repository import REPO_DEFAULT, CheckpointStore, Compression
-from ..stores import open_store
 from ..tools import inspection
 from .exits import EXIT_BUSY, EXIT_ERROR, EXIT_FOUND, EXIT_OK, UsageError, one_line
 from .output import Output, finite, human_bytes, human_duration, iso_time, line, table
+from .repos import open_repo
 
 
 # --------------------------------------------------------------------------- plumbing
@@ -51,45 +47,6 @@ def classify(exc: BaseException) -> tuple[int, str]:
         return EXIT_ERROR, f"error: {text}"
     return EXIT_ERROR, (f"internal error: {type(exc).__name__}: {text} (set CKPT_DEBUG=1 for a "
                         "traceback, and please report it)")
-
-
-def _scheme(uri: str) -> str:
-    return uri.partition("://")[0].lower() if "://" in uri else ""
-
-
-def open_repo(uri: str, args: argparse.Namespace, *, create: bool = False,
-              endpoint_url: str | None = None, workers: int = 8) -> CheckpointStore:
-    """Open the repository at `uri`. Read commands pass create=False: a typo is an error, and
-    nothing (folder, bucket, marker) is created. Buckets are never created by the CLI."""
-    scheme = _scheme(uri)
-    opts: dict[str, Any] = {}
-    if scheme == "s3":
-        endpoint = (endpoint_url or getattr(args, "endpoint_url", None)
-                    or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
-        if endpoint:
-            opts["endpoint_url"] = endpoint
-        if getattr(args, "region", None):
-            opts["region_name"] = args.region
-        if getattr(args, "max_attempts", None):
-            opts["max_attempts"] = args.max_attempts
-        opts["create"] = False
-    elif scheme != "memory":
-        opts["create"] = create
-    try:
-        store = open_store(uri, **opts)
-    except BucketNotFoundError as exc:
-        raise BucketNotFoundError(f"{exc}; create the bucket first (ckpt never creates "
-                                  "buckets)") from None
-    except ObjectNotFoundError:
-        path = uri[len("file://"):] if scheme == "file" else uri
-        what = "not a folder" if os.path.exists(path) else "no such folder"
-        raise RepositoryNotFoundError(
-            f"no ckptstore repository at {redact_uri(uri)} ({what})") from None
-    try:
-        return CheckpointStore(store, create=create, workers=workers)
-    except BaseException:
-        store.close()
-        raise
 
 
 def load_manifests(repo: CheckpointStore) -> tuple[list[Manifest], list[dict[str, str]]]:

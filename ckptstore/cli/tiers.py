@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the parser imports this module: the rest is imported when a
 def open_tiers(uris: list[str], args: argparse.Namespace, *, create: bool = False,
                workers: int = 8) -> list[CheckpointStore]:
     """Each URI opened as its own repository (as every other command opens one)."""
-    from .commands import open_repo
+    from .repos import open_repo
 
     repos: list[CheckpointStore] = []
     try:

@@ -381,8 +381,13 @@ def serve(fd: int, root: str, threads: int, direct: bool = True,
     if watch_parent:
         threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     sock = socket.socket(fileno=fd)
+    try:
+        store: LocalStore = (DirectLocalStore(root, create=False) if direct
+                             else LocalStore(root, create=False))
+    except BaseException:
+        sock.close()
+        raise
     channel = _Channel(sock)
-    store = DirectLocalStore(root, create=False) if direct else LocalStore(root, create=False)
     maps: dict[int, memoryview] = {}
     send_lock = threading.Lock()
     in_flight: list[cf.Future[None]] = []
@@ -410,7 +415,7 @@ def serve(fd: int, root: str, threads: int, direct: bool = True,
         else:
             answer(rid, None)
 
-    with cf.ThreadPoolExecutor(threads, thread_name_prefix="ckpt-writer") as pool:
+    with sock, store, cf.ThreadPoolExecutor(threads, thread_name_prefix="ckpt-writer") as pool:
         while (msg := channel.line()) is not None:
             op = msg["op"]
             if op == "map":

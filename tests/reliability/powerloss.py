@@ -264,6 +264,8 @@ class ThreadWriter:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if not self._thread.is_alive() or threading.current_thread() is self._thread:
+            self._sock.close()
 
     def poll(self) -> int | None:
         return None if self._thread.is_alive() else 0
