@@ -31,7 +31,7 @@ from ..pipeline.options import LoadOptions, SaveInfo, SaveOptions, Staging
 from ..pipeline.reader import CheckpointReader
 from ..stores.base import Store
 from ..tiers import config as tier_config
-from .catalog import ManifestProblem
+from .catalog import ManifestProblem, find
 from .handles import CheckpointInfo, LoadInfo, SaveHandle
 
 T = TypeVar("T")
@@ -161,13 +161,7 @@ class CheckpointStore:
 
     def find_manifest(self, name: str) -> Manifest | None:
         """The manifest of `name`, or None if there is none or it cannot be read (logged)."""
-        try:
-            return self.manifest(name)
-        except CheckpointNotFoundError:
-            return None
-        except FormatError as exc:
-            log.warning("skipping unreadable manifest: %s", exc)
-            return None
+        return find(self.manifest, name)
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every committed checkpoint, in commit order (oldest first: by creation time, then

@@ -19,6 +19,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError, StoreError
@@ -45,6 +46,18 @@ class ManifestProblem:
 
     key: str
     reason: str
+
+
+def find(manifest_of: Callable[[str], Manifest], name: str) -> Manifest | None:
+    """`manifest_of(name)`, or None if there is no such checkpoint or its manifest cannot be
+    read (logged): the one rule of listings and `latest`, which skip what they cannot read."""
+    try:
+        return manifest_of(name)
+    except CheckpointNotFoundError:
+        return None
+    except FormatError as exc:
+        log.warning("skipping unreadable manifest: %s", exc)
+        return None
 
 
 class Catalog:
@@ -92,13 +105,7 @@ class Catalog:
 
     def find_manifest(self, name: str) -> Manifest | None:
         """The manifest of `name`, or None if there is none or it cannot be read (logged)."""
-        try:
-            return self.manifest(name)
-        except CheckpointNotFoundError:
-            return None
-        except FormatError as exc:
-            log.warning("skipping unreadable manifest: %s", exc)
-            return None
+        return find(self.manifest, name)
 
     def remember(self, manifest: Manifest) -> None:
         """Cache a manifest this process committed (or read): it equals what any reader
