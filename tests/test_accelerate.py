@@ -18,6 +18,8 @@ import torch
 import ckptstore
 from ckptstore.accelerate import load_state, save_state
 
+pytestmark = pytest.mark.slow  # minutes of subprocesses: left out of the quick loop
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "accelerate_worker.py"
 STEPS, EVERY = 14, 4  # 6 batches an epoch: saves mid-epoch (4, 8) and at an epoch's end (12)

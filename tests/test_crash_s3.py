@@ -19,6 +19,7 @@ from ckptstore.maintenance.checks import TEMP_MIN_AGE
 
 from .test_crash import WRITER, expected
 
+pytestmark = pytest.mark.slow  # minutes of subprocesses: left out of the quick loop
 
 @pytest.mark.parametrize("delay", [0.2])
 def test_sigkill_mid_save_to_s3_leaves_only_whole_checkpoints(s3_any_uri: str, s3_endpoint: str,

@@ -30,6 +30,7 @@ def check_single_process(root) -> None:
     repo.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_save_on_2_load_on_1_and_3(tmp_path, mode):
     root = tmp_path / "repo"

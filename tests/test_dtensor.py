@@ -21,6 +21,7 @@ def run(world: int, tmp_path, root, mode: str) -> list[dict]:
     return [json.loads(text[3:]) for text in reports]
 
 
+@pytest.mark.slow
 def test_2x2_mesh_to_2_and_3_ranks_and_back_to_one_process(tmp_path):
     root = tmp_path / "repo"
     run(4, tmp_path, root, "save4")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from . import dist_worker as W
 from .helpers import spawn_ranks
@@ -15,6 +16,7 @@ def run(world: int, tmp_path, root, mode: str):
     return dict(np.load(out / "saved.npz")), dict(np.load(out / "final.npz"))
 
 
+@pytest.mark.slow
 def test_fsdp2_tp_adam_saved_on_4_resumed_on_2(tmp_path):
     root = tmp_path / "repo"
     saved4, final4 = run(4, tmp_path, root, "train4")

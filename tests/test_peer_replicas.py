@@ -66,6 +66,7 @@ def run(world: int, tmp: Path, far: str, endpoint: str, phase: str) -> None:
                 lambda rank: f"{phase}-{rank}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_lost_rank_folder_restores_from_peer_not_far(tmp_path: Path, s3_uri: str,
                                                      world: int,

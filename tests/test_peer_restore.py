@@ -15,6 +15,7 @@ import pytest
 
 from tests.peer_worker import run_job
 
+pytestmark = pytest.mark.slow  # minutes of subprocesses: left out of the quick loop
 
 def errors(results: list[dict[str, Any] | None]) -> list[Any]:
     return [None if r is None else r["error"] for r in results]

@@ -12,11 +12,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import ckptstore
 from tests.test_train_resume import SCRIPT, losses_of
 
 STEPS, EVERY = 20, 4
 
+
+
+pytestmark = pytest.mark.slow  # minutes of subprocesses: left out of the quick loop
 
 def launch(run: Path, data: Path, extra: list[str]) -> subprocess.Popen[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -23,6 +23,8 @@ from ckptstore.training import rank_rows
 
 from . import torchtitan_worker as W
 
+pytestmark = pytest.mark.slow  # minutes of subprocesses: left out of the quick loop
+
 ROOT = Path(__file__).resolve().parent.parent
 Config = CkptStoreCheckpointManager.Config
 

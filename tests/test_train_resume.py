@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parent.parent / "examples" / "train.py"
 STEPS, EVERY = 24, 4
 
@@ -56,6 +58,7 @@ def run_until(run: Path, data: Path, kill_after: str | None) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_is_bit_exact(tmp_path):
     data = tmp_path / "data"
     reference = losses_of(run_until(tmp_path / "ref", data, None))
