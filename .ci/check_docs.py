@@ -7,9 +7,10 @@ Documents: README.md, CONTRIBUTING.md and docs/*.md (CHANGELOG.md is history and
 what no longer exists). Inline code spans only: fenced blocks are examples, not citations.
 What is checked (anything else in backticks is left alone, to keep false alarms near zero):
 
-* paths: `ckptstore/tiers/far.py`, `tests/test_gc.py`, `docs/format.md`, `.ci/run` (first
-  component a top-level entry of the repository); `pipeline/commit.py`, `format/torch_types`
-  (first component a folder of ckptstore/ or dataloader/; `.py` may be left out);
+* paths: `ckptstore/tiers/far.py`, `tests/campaigns/test_crash.py`, `docs/format.md`,
+  `.ci/run` (first component a top-level entry of the repository); `pipeline/commit.py`,
+  `format/torch_types` (first component a folder of ckptstore/ or dataloader/; `.py` may be
+  left out);
   `format/manifest.entry_problem` (a module path, then names in it); bare `name.py` /
   `name.md` (some file of the repository has that name). In a command (`python
   bench/x.py --flag`, `bench/x.py --flag`) only the script is checked.

@@ -55,6 +55,7 @@ EXTRA_LEVELS: dict[str, dict[str, tuple[str, str]]] = {
         "accelerate.py": (TOP, "documented import path of training/accelerate.py"),
         "torchtitan.py": (TOP, "documented import path of training/torchtitan.py"),
         "torchft.py": (TOP, "ckptstore.torchft: the torchft transport over healing/"),
+        "toolkit.py": (TOP, "the stable building blocks other packages import (re-exports)"),
     },
     "dataloader": {
         "__init__.py": (TOP, "the package facade"),

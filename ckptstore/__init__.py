@@ -14,7 +14,11 @@ Where things are (each folder's `__init__` says more; imports flow down this lis
     training/        CheckpointManager, torch.distributed, peers, RNG state, integrations
     healing/         live healing: a replica's state served chunk by chunk, fetched verified
     cli/             the `ckpt` command
-    toolkit.py       the stable building blocks other packages (the dataloader) import
+
+Beside the list, at the top like this module: `toolkit.py`, the stable building blocks other
+packages (the dataloader) import, re-exported from the layers above; and the documented
+import paths of the integrations (`lightning.py`, `accelerate.py`, `torchtitan.py`,
+`torchft.py`).
 """
 
 from __future__ import annotations

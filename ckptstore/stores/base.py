@@ -1,6 +1,6 @@
 """The store interface: a flat namespace of immutable-ish objects addressed by '/'-separated keys.
 
-Contract shared by every backend (tests/test_store_contract.py checks it against each):
+Contract shared by every backend (tests/ckptstore/stores/test_testing.py checks it against each):
 
 * Keys are validated (`names.validate_key`): no absolute paths, no '..', so no key escapes the
   store's root.

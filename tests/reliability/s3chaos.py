@@ -1,7 +1,7 @@
 """Random S3 faults at a given rate, in front of moto's backend or of a real S3 server.
 
-Built on the fault-injection helpers of tests/test_s3_store.py (`FaultPlan`, `FaultMiddleware`,
-`Rule`), which it imports rather than copies:
+Built on the fault-injection helpers of tests/ckptstore/stores/test_s3.py (`FaultPlan`,
+`FaultMiddleware`, `Rule`), which it imports rather than copies:
 
 * `ChaosPlan` is a FaultPlan that, besides its explicit rules, draws a fault for each request
   with probability `rate` (seeded RNG): 503 SlowDown, 500 InternalError, 500 after the request
@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from tests.test_s3_store import FaultMiddleware, FaultPlan, Rule, _xml_error
+from tests.ckptstore.stores.test_s3 import FaultMiddleware, FaultPlan, Rule, _xml_error
 
 # fault kinds and their weights when a request is picked for a fault
 KINDS: dict[str, int] = {"503": 30, "500": 15, "lost-reply": 15, "drop": 10, "drop-after": 10,
