@@ -17,8 +17,7 @@ from ckptstore.stores import open_store
 from dataloader.cli import main
 from dataloader.format import DatasetIndex
 from dataloader.format.zarr_adapter import ZarrStoreAdapter
-
-from .conftest import make_samples
+from tests.dataloader.conftest import make_samples
 
 N, R = 64, 16  # N % R == 0: the offsets arrays' last row (N) sits alone in chunk N // R
 

@@ -13,8 +13,7 @@ from ckptstore import IntegrityError, open_store
 from ckptstore.toolkit import canonical_json, merge_ranges
 from dataloader.format import DatasetIndex
 from dataloader.read.cache import ChunkCache
-
-from .conftest import make_samples
+from tests.dataloader.conftest import make_samples
 
 
 def _check_sample(got: dict, want: dict) -> None:

@@ -9,8 +9,7 @@ import pytest
 
 import dataloader
 from dataloader.order import advance, complement, merge_intervals, rank_plan
-
-from .conftest import ids_of
+from tests.dataloader.conftest import ids_of
 
 
 def _ds(uri, **kw):

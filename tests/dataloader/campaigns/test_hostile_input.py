@@ -28,8 +28,7 @@ from ckptstore.toolkit import canonical_json, digest
 from dataloader import StateMismatchError
 from dataloader.format import INDEX_KEY, MAX_INDEX_BYTES, DatasetIndex
 from dataloader.order import MAX_WORLD_SIZE, advance, complement, merge_intervals, rank_plan
-
-from .conftest import ids_of
+from tests.dataloader.conftest import ids_of
 
 # -- helpers ------------------------------------------------------------------------------
 

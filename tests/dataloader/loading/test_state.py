@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 
 import dataloader
-
-from .resume_contract import assert_resumes_exactly
+from tests.dataloader.resume_contract import assert_resumes_exactly
 
 
 def _ids(batch: Any) -> list[int]:

@@ -17,7 +17,7 @@ import dataloader
 from ckptstore.stores import LocalStore
 from dataloader.format import INDEX_KEY
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 _CHILD = textwrap.dedent("""
     import os, sys, time

@@ -19,9 +19,8 @@ from ckptstore import open_store
 from ckptstore.errors import FormatError, ObjectExistsError
 from ckptstore.stores import MemoryStore
 from dataloader.read.blocks import BlockReader
-
-from .conftest import ids_of, make_samples
-from .resume_contract import assert_resumes_exactly
+from tests.dataloader.conftest import ids_of, make_samples
+from tests.dataloader.resume_contract import assert_resumes_exactly
 
 OPTS = {"schema": {"image": "fixed"}, "rows_per_chunk": 16, "data_chunk_bytes": 512,
         "shard_bytes": 4096}

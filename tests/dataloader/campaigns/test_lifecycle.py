@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import dataloader
-
-from .conftest import ids_of, make_samples
+from tests.dataloader.conftest import ids_of, make_samples
 
 
 def _our_threads() -> list[threading.Thread]:

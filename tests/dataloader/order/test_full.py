@@ -10,9 +10,8 @@ import pytest
 import dataloader
 from dataloader.errors import StateMismatchError
 from dataloader.order.full import FeistelPermutation
-
-from .conftest import make_samples
-from .resume_contract import assert_resumes_exactly
+from tests.dataloader.conftest import make_samples
+from tests.dataloader.resume_contract import assert_resumes_exactly
 
 
 def _ids(ds: dataloader.StreamingDataset) -> list[int]:

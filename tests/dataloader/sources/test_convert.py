@@ -21,7 +21,7 @@ from dataloader.format import INDEX_KEY
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def convert(src: Path, dest: Path, *extra: str) -> dict:
