@@ -90,3 +90,15 @@ def spawn_ranks(fn: Callable[..., None], world: int, tmp_path: Path, tag: str,
             if not text.startswith(ok):
                 pytest.fail(f"rank {rank} failed in {tag}:\n{text or '(no report)'}")
     return reports
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Synchronise on a condition instead of sleeping a guessed time: poll `condition` until
+    it holds (AssertionError naming `what` after `timeout` seconds)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(0.001)

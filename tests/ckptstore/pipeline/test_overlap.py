@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointManager, CheckpointStore, MemoryStore, SourceChangedError
-from tests.helpers import assert_same
+from tests.helpers import assert_same, wait_until
 
 MiB = 1 << 20
 
@@ -351,12 +351,16 @@ def test_turns_let_one_thread_work_and_copies_go_first():
     h.start()
     assert held.wait(5)
     threads = []
-    for kind in ("write", "write", "copy"):  # the copy asks last
+    for n, kind in enumerate(("write", "write", "copy")):  # the copy asks last
         started = threading.Event()
         t = threading.Thread(target=job, args=(kind, started))
         t.start()
         assert started.wait(5)
-        time.sleep(0.05)  # it waits for its turn now
+        # it waits for its turn now: on the Condition of its kind (no guessed sleep)
+        turn = turns._copy_turn if kind == "copy" else turns._write_turn
+        waiting = 1 if kind == "copy" else n + 1
+        wait_until(lambda turn=turn, waiting=waiting: len(turn._waiters) == waiting,
+                   what=f"{kind} job {n} waiting for its turn")
         threads.append(t)
     release.set()
     for t in [h, *threads]:
