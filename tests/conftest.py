@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from .seaweed import SeaweedFSUnavailable, running_seaweedfs
+from .support.servers import new_bucket, running_moto
 
 # Tests talk only to the S3 servers they start on 127.0.0.1; these dummy credentials feed the
 # standard boto3 chain (environment variables) so no real credentials are ever read, and both
@@ -28,15 +29,8 @@ _ENDPOINTS: dict[str, str] = {}  # s3:// URI handed out -> the endpoint of its s
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
     """A moto S3 server in this process's threads, bound to 127.0.0.1 on a free port."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+    with running_moto() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="session")
@@ -52,15 +46,7 @@ def seaweedfs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
 
 def new_bucket_uri(endpoint: str) -> str:
     """A fresh bucket at `endpoint`; returns s3://bucket/repo."""
-    import boto3
-
-    bucket = f"test-{uuid.uuid4().hex[:12]}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    try:
-        client.create_bucket(Bucket=bucket)
-    finally:
-        client.close()
-    uri = f"s3://{bucket}/repo"
+    uri = f"s3://{new_bucket(endpoint)}/repo"
     _ENDPOINTS[uri] = endpoint
     return uri
 

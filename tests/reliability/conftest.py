@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,8 @@ from typing import Any
 import pytest
 
 from .. import seaweed
+from ..support.servers import new_bucket as support_new_bucket
+from ..support.servers import running_moto
 from .common import QUICK, SOAK, Profile
 
 # Only local servers are ever used; these dummy credentials feed the standard boto3 chain
@@ -108,28 +109,13 @@ def rel_moto_endpoint() -> Iterator[str]:
     """A moto S3 server in this process's threads on 127.0.0.1 (only worker processes are
     killed by the campaigns, never this one, so it may live here). Module-scoped: no server
     thread of this folder outlives the module that used it."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+    with running_moto() as endpoint:
+        yield endpoint
 
 
 def new_bucket(endpoint: str, prefix: str = "rel") -> str:
     """Create a fresh bucket at `endpoint` (credentials from the environment); its name."""
-    import boto3
-
-    bucket = f"{prefix}-{uuid.uuid4().hex[:12]}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    try:
-        client.create_bucket(Bucket=bucket)
-    finally:
-        client.close()
-    return bucket
+    return support_new_bucket(endpoint, prefix)
 
 
 # -- SeaweedFS ---------------------------------------------------------------------------------
