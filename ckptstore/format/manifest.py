@@ -4,6 +4,9 @@ This module holds the model (Manifest, TensorEntry, ChunkRef, StorageRef), the r
 entry obeys (`entry_problem`, the one statement of them) and the writer (`Manifest.to_bytes`);
 `manifest_parse` reads untrusted bytes. Every tensor entry is a zarr v3 array metadata document
 whose `attributes["ckptstore"]` holds what ckptstore needs.
+
+Why one module: the manifest model and every rule an entry must satisfy (`entry_problem`),
+which the parser and the writer both apply; the rules refer to each other.
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ a blob that gc has already chosen to delete. Leases close that gap (restic's loc
 Contract for holders: call `Lease.check()` right before an irreversible step (a commit, a
 deletion batch); it raises if the lease could not be refreshed for so long that others may
 consider it stale.
+
+Why one module: the lease objects, the store clock and the rules of who waits for whom
+(saves, gc, a dead holder's settle time) are one protocol (docs/format.md section 6); split,
+each rule would read another module's private state.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ every object put since the last sync, whoever wrote it, and the next sync makes 
 folders durable. A parent killed
 mid-way commits nothing either; the writer finishes at most the object in hand (an
 unreferenced blob, later reclaimed by gc) and exits.
+
+Why one module: the two ends of one protocol (the parent's requests and the writer's loop)
+and the shared slots they map; keeping them together keeps the message format in one place.
 """
 
 from __future__ import annotations

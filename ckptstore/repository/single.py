@@ -10,6 +10,9 @@ SaveRequest (names and commit order checked, state encoded, known chunks of the 
 the commit-order floor, the later tiers it is meant for) -> staging (copy or overlap) ->
 `_write`: a CheckpointWriter built once from the request -> the Committer commits ->
 `committed(info)` (retention; a tiered store's replication).
+
+Why one module: one class, whose save steps (prepare, stage, write, commit, retry) share its
+lease, arena and catalog.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ Every export is checked before anything is read (`check_target`): an existing OU
 unless `overwrite`, a missing parent folder is an error. Output is built in a temporary
 sibling, fsynced, and moved into place; files get the mode the process umask allows (the
 safetensors library alone would create them 0600).
+
+Why one module: the export formats share the key selection, the tie rule and the Hugging
+Face checks; each format is a short function.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ Import:
   other int keys stay strings.
 `prefix` stores an import below a dotted key ('model': {"model": state}).
 The import holds a save lease (see `leases`) so a concurrent `ckpt gc` cannot break it.
+
+Why one module: import and export of the foreign formats (torch files, DCP folders,
+safetensors, Hugging Face folders) share the key mapping and the trust rule for pickles.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ Lightning's checkpoint holds more than tensors: dict subclasses (AttributeDict) 
 plain dicts and `pathlib.Path` values as strings; any other object raises TypeError naming
 its key (no pickle). `LightningModule.load_from_checkpoint` unpickles the file at the path,
 which the plugin never writes: use `load_from_checkpoint(cls, path, repository)` here.
+
+Why one module: one CheckpointIO and the pointer files that make Lightning's own filesystem
+checks work; the naming, the pointers and the loads agree on one path rule.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ Tiered repositories (a list of URIs, nearest first; docs/recovery.md): `keep_las
 saves every call on tier 0 and replicates every 10th to tier 1; retention runs per tier with
 the overrides of retention.TieredRetention (no tier-0 deletion before replication, no loss of
 a last copy tier 0's policy keeps); `wait()` also waits for replication and then retains.
+
+Why one module: CheckpointManager's save, retention and restore share its per-tier policy
+and bookkeeping (the counts, the kept history, the doomed blobs).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from ..errors import (
     TierUnreachableError,
     UnrestorableCheckpointError,
 )
+from ..format.torch_types import resolve_device
 from ..format.tree import flatten_arrays
 from ..layout import blob_key
 from ..maintenance import leases
@@ -367,7 +371,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], step: int | None = None, *,
-                fresh_ok: bool = False) -> int | None:
+                fresh_ok: bool = False, map_location: Any = None) -> int | None:
         """Load the latest checkpoint (or `step`) into `state` in place and return its step;
         None if there is none. Collective under torch.distributed: rank 0 picks the step.
 
@@ -382,10 +386,18 @@ class CheckpointManager:
         out damaged while loading (a missing or corrupt blob), a warning names it and the one
         before it is loaded instead (every tensor of `state` is then overwritten again).
         Tiered: waits for this manager's save in flight, not for replication (a restore after
-        a crash must not wait for the far tier); chunks come from the nearest good copy."""
+        a crash must not wait for the far tier); chunks come from the nearest good copy.
+
+        `map_location` (as torch.load's: "cuda:0", "cuda", a torch.device; None: host): where
+        the tensors made new are created (optimizer states and the tensors of other Stateful
+        values, which their `load_state_dict` adopts), straight from the checkpoint through
+        page-locked buffers. Tensors restored in place (module parameters and buffers, plain
+        entries) stay on their own devices; RNGState is always restored on the host."""
+        if map_location is not None:
+            resolve_device(map_location)  # one clear error before anything is read
         if self.peers is not None:
             self._flush_peers()
-            return self._restore_with_peers(state, step, fresh_ok)
+            return self._restore_with_peers(state, step, fresh_ok, map_location)
         last, self._last = self._last, None
         self.repo.wait()
         if last is not None:
@@ -397,7 +409,7 @@ class CheckpointManager:
             step = cdist.broadcast_json(step, self.group)
         while step is not None:
             try:
-                self._load_into(state, step)
+                self._load_into(state, step, device=map_location)
                 return step
             except (IntegrityError, FormatError) as exc:
                 if not chosen or self.distributed:
@@ -411,7 +423,7 @@ class CheckpointManager:
         return None
 
     def _restore_with_peers(self, state: Mapping[str, Any], step: int | None,
-                            fresh_ok: bool) -> int | None:
+                            fresh_ok: bool, device: Any = None) -> int | None:
         """Peer mode: the newest step in commit order that every rank can obtain (its tiers
         or a peer's whole copy) and that was saved by this many ranks (peers.choose_steps);
         ranks whose tier 0 lacks it load it from the bytes a peer sent (or, when no peer
@@ -448,7 +460,7 @@ class CheckpointManager:
             received = self.peers.fetch(self.name_of(s))
             outcome: str | None = None
             try:
-                self._load_into(state, s, prefer=received)
+                self._load_into(state, s, prefer=received, device=device)
             except Exception as exc:  # reported to every rank below, which all move on
                 outcome = f"{type(exc).__name__}: {exc}"
             outcomes = self.peers.agree(outcome)
@@ -485,7 +497,7 @@ class CheckpointManager:
                 self._kept |= {f"{sender}/{n}" for n in self.peers.copies_of(sender).names()}
 
     def _load_into(self, state: Mapping[str, Any], step: int,
-                   prefer: Store | None = None) -> None:
+                   prefer: Store | None = None, device: Any = None) -> None:
         into: dict[str, Any] = {}
         for k, v in state.items():
             if isinstance(v, torch.nn.Module) or not _is_stateful(v):
@@ -493,8 +505,14 @@ class CheckpointManager:
             elif not isinstance(v, RNGState) and _holds_shards(sd := v.state_dict()):
                 into[k] = sd  # sharded state (e.g. a sharded optimizer): read only our rows
             # other Stateful objects get fresh tensors, adopted by their load_state_dict
-        loaded = self.repo.load(self.name_of(step), into=into, keys=list(state), strict=False,
-                                prefer=prefer)
+        # map_location: RNGState's tensors are host tensors whatever the device (torch's)
+        on_host = ([k for k, v in state.items() if isinstance(v, RNGState)]
+                   if device is not None else [])
+        loaded = self.repo.load(self.name_of(step), into=into, strict=False, prefer=prefer,
+                                keys=[k for k in state if k not in on_host], device=device)
+        if on_host:
+            loaded.update(self.repo.load(self.name_of(step), keys=on_host, strict=False,
+                                         prefer=prefer))
         missing = [k for k in state if k not in loaded]
         if missing:
             raise KeyMismatchError(f"checkpoint step {step} has no entries {missing}")

@@ -25,6 +25,10 @@ manifest last), which makes the checkpoint whole there again; `settle` waits for
 (the manager calls it before its next save, restore or wait). A failed write (or a corrupt
 blob) is a warning and commits no manifest: the copy on the peer and the far tier are
 untouched.
+
+Why one module: the peer exchange is one collective protocol (headers, wants, transfers, the
+restore's agreement) that every rank runs in the same order; split, the order would be
+spread over files.
 """
 
 from __future__ import annotations

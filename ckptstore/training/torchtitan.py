@@ -20,6 +20,9 @@ What one checkpoint (`step-<N>`) holds:
 - every other entry of `states` (the trainer's `train_state`): per-rank JSON rows when its
   state holds no tensor, else its state dict as is (tensors global, other values rank 0's);
 - with `save_rng`: the python, numpy and torch RNG states of every rank (ckptstore.RNGState).
+
+Why one module: one class implementing torchtitan's checkpointer contract (save, load,
+staging, close) and its Config; its steps share the state layout it defines.
 """
 
 from __future__ import annotations
