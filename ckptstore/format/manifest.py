@@ -428,7 +428,8 @@ def _fixed_json(dtype: DType, codec: Codec | None) -> tuple[str, str]:
 def _entry_json(e: TensorEntry) -> str:
     """`canonical_str(e.to_json())`, written directly (a third of the time of `json.dumps`).
     Only for an entry `entry_problem` passes: its digests are hex and its numbers exact ints, so
-    they need no escaping; tests/ckptstore/pipeline/test_writer_small_tensors.py checks the equality."""
+    they need no escaping; tests/ckptstore/pipeline/test_writer_small_tensors.py checks the
+    equality."""
     codec_json, fixed = _fixed_json(e.dtype, e.codec)
     chunks = ",".join(
         f'{{"blob":"{c.blob}","digest":"{c.digest}","nbytes":{c.nbytes},'
