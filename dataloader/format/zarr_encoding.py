@@ -5,8 +5,8 @@ zarr-python 3.1 stores for the same rows, array and group (the writer's arrays o
 grid sharded along dim 0; inner codecs ``bytes`` little-endian, then optionally ``zstd`` at
 level 1 without checksum; index at the end, encoded ``bytes`` + ``crc32c``; fill value 0;
 ``write_empty_chunks``). tests/dataloader/format/test_zarr_encoding.py holds them to that,
-object for object, against zarr itself, so any zarr reader opens what the writer stores. What zarr does
-for shards, and so what this does:
+object for object, against zarr itself, so any zarr reader opens what the writer stores.
+What zarr does for shards, and so what this does:
 
 - a shard holds its chunks in order, back to back, then the index: one little-endian
   (offset, nbytes) uint64 pair per chunk of the shard, (2**64-1, 2**64-1) for a chunk not
