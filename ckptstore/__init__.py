@@ -30,6 +30,7 @@ from .errors import (
     CheckpointNotFoundError,
     CkptStoreError,
     DurabilityError,
+    ExportWarning,
     FormatError,
     IntegrityError,
     InvalidNameError,
@@ -62,7 +63,8 @@ from .version import __version__
 
 __all__ = [
     "CheckpointExistsError", "CheckpointInfo", "CheckpointManager", "CheckpointNotFoundError",
-    "CheckpointStore", "CkptStoreError", "Codec", "DurabilityError", "FormatError", "GcReport",
+    "CheckpointStore", "CkptStoreError", "Codec", "DurabilityError", "ExportWarning",
+    "FormatError", "GcReport",
     "IntegrityError", "InvalidNameError", "KeyMismatchError", "LeaseBusyError", "LocalStore",
     "MemoryStore",
     "MissingDependencyError",

@@ -139,3 +139,8 @@ class LeaseBusyError(CkptStoreError):
 
 class TrustRequiredError(CkptStoreError, PermissionError):
     """The source can only be read by unpickling it; the caller did not say it trusts it."""
+
+
+class ExportWarning(UserWarning):
+    """An export that will not load as the user means it to: keys the named Hugging Face model
+    does not expect, weights it would not find, tied tensors it does not tie."""

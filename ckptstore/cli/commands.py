@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import (
     CheckpointNotFoundError,
     CkptStoreError,
+    ExportWarning,
     FormatError,
     LeaseBusyError,
 )
@@ -469,7 +470,7 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
                 strip = exports.subtree_prefix(args.keys, keys)
         with out.progress(f"exporting to {redact_uri(args.out)}", unit="steps"), \
                 warnings.catch_warnings():
-            warnings.simplefilter("ignore", interop.ExportWarning)  # printed below, once
+            warnings.simplefilter("ignore", ExportWarning)  # printed below, once
             report = interop.export_checkpoint(repo, args.name, args.out, fmt=fmt, keys=keys,
                                                overwrite=args.force,
                                                max_shard_bytes=args.max_shard_size,

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from ..deps import require
-from ..errors import FormatError, MissingDependencyError, TrustRequiredError
+from ..errors import ExportWarning, FormatError, MissingDependencyError, TrustRequiredError
 from ..format.manifest import Manifest
 from ..maintenance import leases
 from ..repository import REPO_DEFAULT, CheckpointStore, Compression
@@ -72,10 +72,6 @@ DCP_METADATA = ".metadata"
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
-
-class ExportWarning(UserWarning):
-    """An export that will not load as the user means it to: keys the named Hugging Face model
-    does not expect, weights it would not find, tied tensors it does not tie."""
 
 
 @dataclass

@@ -58,6 +58,7 @@ from ..format.manifest_parse import parse_manifest
 from ..format.names import validate_key, validate_prefix
 from ..layout import blob_key, manifest_key
 from ..maintenance.transfer import blob_extents
+from ..pipeline.options import METADATA_THREADS
 from ..repository import CheckpointStore
 from ..stores.base import Buffer, ObjectInfo, Store, check_range, short_read
 from .distributed import all_gather_json
@@ -303,7 +304,8 @@ class PeerReplicas:
                                      f"{name!r} was not written to tier 0")
             store.put(key, data)
 
-        with cf.ThreadPoolExecutor(4, thread_name_prefix="ckpt-peer-write") as pool:
+        with cf.ThreadPoolExecutor(self.repo.save_options.workers,
+                                   thread_name_prefix="ckpt-peer-write") as pool:
             list(pool.map(write, blobs))
         store.sync()
         store.create(manifest_key(name), received.get(manifest_key(name)))
@@ -350,7 +352,8 @@ class PeerReplicas:
         received = 0
         previous: _Round | None = None
         error: BaseException | None = None
-        with cf.ThreadPoolExecutor(8, thread_name_prefix="ckpt-peer") as pool:
+        with cf.ThreadPoolExecutor(self.repo.save_options.workers,
+                                   thread_name_prefix="ckpt-peer") as pool:
             for moves in rounds + [[]]:
                 current = self._post(moves, src_of, dst_of) if moves else None
                 if previous is not None:
@@ -385,7 +388,8 @@ class PeerReplicas:
                 inbound.append((buf, digest, dst_of(sender, receiver, digest)))
                 ops.append(dist.P2POp(dist.irecv, buf, sender, self.group))
         if reads:  # straight into the send tensors, in parallel
-            with cf.ThreadPoolExecutor(8, thread_name_prefix="ckpt-peer-read") as pool:
+            with cf.ThreadPoolExecutor(self.repo.load_options.workers,
+                                       thread_name_prefix="ckpt-peer-read") as pool:
                 list(pool.map(_read_or_zeros, reads))
         works = dist.batch_isend_irecv(ops) if ops else []
         return _Round(works, inbound, outbound)
@@ -590,13 +594,13 @@ def _sizes(store: Store, manifest: Any) -> dict[str, int]:
     """{blob: its size in `store`} for every blob the manifest references (the stored size:
     a pack may be longer than the members this manifest uses)."""
     blobs = sorted(manifest.blob_digests())
-    with cf.ThreadPoolExecutor(8) as pool:
+    with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
         sizes = list(pool.map(lambda b: store.stat(blob_key(b)).size, blobs))
     return dict(zip(blobs, sizes))
 
 
 def _missing(store: Store, digests: list[str]) -> list[str]:
-    with cf.ThreadPoolExecutor(8) as pool:
+    with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
         present = list(pool.map(lambda d: store.exists(blob_key(d)), digests))
     return [d for d, ok in zip(digests, present) if not ok]
 

@@ -219,7 +219,7 @@ def remote_store(request: pytest.FixtureRequest):
         return
     from ckptstore.stores import open_store
 
-    from .conftest import _ENDPOINTS
+    from tests.conftest import _ENDPOINTS
 
     uri = request.getfixturevalue("s3_uri")
     store = open_store(uri, endpoint_url=_ENDPOINTS[uri], in_flight_settle=5.0)

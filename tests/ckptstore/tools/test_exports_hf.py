@@ -261,7 +261,7 @@ def test_bad_export_options_are_clear_errors(tmp_path: Path,
 
 
 def test_without_transformers_the_config_is_a_clear_error_or_a_note(tmp_path: Path) -> None:
-    from .test_installs import run_without
+    from tests.campaigns.test_installs import run_without
 
     model = gpt2()
     ref = reference(model, tmp_path)
