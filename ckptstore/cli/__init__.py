@@ -94,6 +94,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _add_hf_model_args(p: argparse.ArgumentParser, config_help: str) -> None:
+    """The two options naming a Hugging Face model, shared by export and import."""
+    p.add_argument("--hf-config", metavar="PATH", help=config_help)
+    p.add_argument("--hf-model", metavar="CLASS",
+                   help="the transformers model class (default: the config's architectures)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ..version import __version__
 
@@ -193,11 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export only the keys below PREFIX, named relative to it")
     p.add_argument("--keep-prefix", action="store_true",
                    help="with --keys NAME, keep the full keys (model.x)")
-    p.add_argument("--hf-config", metavar="PATH",
-                   help="(safetensors folder) a Hugging Face config.json or its folder: "
-                        "copied into OUT, and the keys checked against that model")
-    p.add_argument("--hf-model", metavar="CLASS",
-                   help="the transformers model class (default: the config's architectures)")
+    _add_hf_model_args(p, "(safetensors folder) a Hugging Face config.json or its folder: "
+                          "copied into OUT, and the keys checked against that model")
     p.add_argument("--keep-tied", action="store_true",
                    help="(safetensors folder) write tied tensors as copies, not once")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -217,11 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "run code: only for sources you trust")
     p.add_argument("--prefix", metavar="NAME",
                    help="store everything below this dotted key (model: {\"model\": state})")
-    p.add_argument("--hf-config", metavar="PATH",
-                   help="(safetensors) the model's config.json, to tie again the tied weights "
-                        "the files leave out (default: config.json in the folder imported)")
-    p.add_argument("--hf-model", metavar="CLASS",
-                   help="the transformers model class (default: the config's architectures)")
+    _add_hf_model_args(p, "(safetensors) the model's config.json, to tie again the tied "
+                          "weights the files leave out (default: config.json in the folder "
+                          "imported)")
     from .tiers import add_replicate_parser
 
     add_replicate_parser(add)
