@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -102,3 +103,18 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
         time.sleep(0.001)
+
+
+def reap(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for `proc` (killed or finishing), close its pipes and return the tail of its
+    stderr (empty if it was not piped): killed children leave no unclosed-file warnings."""
+    try:
+        proc.wait(timeout=timeout)
+        err = proc.stderr.read() if proc.stderr is not None else ""
+    finally:
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    if isinstance(err, bytes):
+        err = err.decode(errors="replace")
+    return err[-3000:]

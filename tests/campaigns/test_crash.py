@@ -15,6 +15,7 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.maintenance.checks import TEMP_MIN_AGE
+from tests.helpers import reap
 
 WRITER = textwrap.dedent("""
     import sys, torch, ckptstore
@@ -47,8 +48,8 @@ def test_sigkill_mid_save_leaves_only_whole_checkpoints(tmp_path, delay):
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
-        proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
+        err = reap(proc, 30)
+    assert proc.returncode == -signal.SIGKILL, err
     repo = CheckpointStore(root)
     assert len(repo.list()) >= 1
     for info in repo.list():

@@ -17,6 +17,7 @@ import torch
 from ckptstore import CheckpointStore
 from ckptstore.maintenance.checks import TEMP_MIN_AGE
 from tests.campaigns.test_crash import WRITER, expected
+from tests.helpers import reap
 
 pytestmark = pytest.mark.slow  # minutes of subprocesses: left out of the quick loop
 
@@ -34,8 +35,8 @@ def test_sigkill_mid_save_to_s3_leaves_only_whole_checkpoints(s3_any_uri: str, s
             time.sleep(delay * (run + 1))
             os.kill(proc.pid, signal.SIGKILL)
         finally:
-            proc.wait(timeout=60)
-        assert proc.returncode == -signal.SIGKILL
+            err = reap(proc, 60)
+        assert proc.returncode == -signal.SIGKILL, err
     repo = CheckpointStore(s3_any_uri, endpoint_url=s3_endpoint, create=False)
     infos = repo.list()
     assert len(infos) >= 1  # odd steps are save_async: printed before their commit

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import reap
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 STEPS, EVERY = 24, 4
 
@@ -47,14 +49,13 @@ def run_until(run: Path, data: Path, kill_after: str | None) -> list[str]:
                                        or line.startswith(kill_after + " ")):
             os.kill(proc.pid, signal.SIGKILL)
             break
-    proc.wait(timeout=120)
+    err = reap(proc, 120)
     if kill_after is None:
-        assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+        assert proc.returncode == 0, err
         assert lines[-1] == "done"
     else:
         assert proc.returncode == -signal.SIGKILL, (
-            f"exited {proc.returncode} before the kill: "
-            f"{proc.stderr.read()[-3000:] if proc.stderr else ''}")
+            f"exited {proc.returncode} before the kill: {err}")
     return lines
 
 

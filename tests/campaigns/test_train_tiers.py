@@ -16,6 +16,7 @@ import pytest
 
 import ckptstore
 from tests.campaigns.test_train_resume import SCRIPT, losses_of
+from tests.helpers import reap
 
 STEPS, EVERY = 20, 4
 
@@ -57,8 +58,8 @@ def test_sigkill_lose_node_folder_resume_from_far(tmp_path: Path, s3_uri: str,
     while "step-12" not in far.names() and time.monotonic() < deadline:
         time.sleep(0.1)  # saves 1, 3, 5 (steps 4, 12, 20) go far: wait for step 12's copy
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(30)
-    assert proc.returncode == -signal.SIGKILL
+    err = reap(proc, 30)
+    assert proc.returncode == -signal.SIGKILL, err
     assert sorted(far.names()) == ["step-12", "step-4"]  # every 2nd save went far
     shutil.rmtree(near)  # the node is gone with its checkpoints (16 was only there)
 

@@ -218,7 +218,6 @@ def remote_store(request: pytest.FixtureRequest):
         yield _RemoteLikeMemoryStore(uuid.uuid4().hex)
         return
     from ckptstore.stores import open_store
-
     from tests.conftest import _ENDPOINTS
 
     uri = request.getfixturevalue("s3_uri")

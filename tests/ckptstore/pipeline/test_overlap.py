@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointManager, CheckpointStore, MemoryStore, SourceChangedError
-from tests.helpers import assert_same, wait_until
+from tests.helpers import assert_same, reap, wait_until
 
 MiB = 1 << 20
 
@@ -315,7 +315,7 @@ def test_sigkill_during_overlapped_save_leaves_no_checkpoint(tmp_path):
     assert proc.stdout.readline().strip() == "started"
     time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    reap(proc, 30)
     assert proc.returncode == -signal.SIGKILL
     repo = CheckpointStore(path)
     assert [c.name for c in repo.list()] == ["base"]

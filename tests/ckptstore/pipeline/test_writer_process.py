@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointManager, CheckpointStore, StoreError
-from tests.helpers import assert_same
+from tests.helpers import assert_same, reap
 
 MiB = 1 << 20
 MARK = "ckptstore.pipeline.writer_process"
@@ -212,7 +212,7 @@ def test_sigkill_of_the_trainer_leaves_no_checkpoint_and_the_writer_exits(tmp_pa
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        reap(proc, 30)
     repo = CheckpointStore(path)
     assert [c.name for c in repo.list()] == ["base", "warm"]
     assert not repo.exists("big") and repo.verify("base").ok

@@ -19,6 +19,7 @@ from ckptstore.format.hashing import digest
 from ckptstore.stores import LocalStore
 from ckptstore.stores import local as local_module
 from ckptstore.stores.local import TEMP_PREFIX
+from tests.helpers import reap
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -119,7 +120,7 @@ def test_sigkill_at_any_moment_leaves_only_durable_finals(tmp_path: Path,
         time.sleep(kill_after)
     finally:
         proc.kill()
-        proc.wait()
+        reap(proc, 60)
     finals, temps = _files(root)
     durable = set(log.read_text().split())
     assert finals, "the child committed nothing"

@@ -23,6 +23,7 @@ from ckptstore.errors import CheckpointNotFoundError, IntegrityError, InvalidNam
 from ckptstore.layout import blob_key
 from ckptstore.tiers import pending
 from ckptstore.tiers.replication import ReplicationError, RetryPolicy
+from tests.helpers import reap
 from tests.reliability.s3chaos import ChaosPlan, ChaosServer, moto_app
 
 FAST_RETRY = RetryPolicy(attempts=3, first_delay=0.05, max_delay=0.2)
@@ -229,10 +230,9 @@ def test_kill9_while_replicating_leaves_far_whole_and_reopen_finishes(
             assert proc.stdout.readline().strip() == f"saved s{i}"
         time.sleep(0.2)  # some blobs of the first checkpoints are on their way
         proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.kill()
+        reap(proc, 10)
         server.close()
     far = ckptstore.CheckpointStore(s3_uri, endpoint_url=moto_endpoint, create=False)
     listed = far.names()

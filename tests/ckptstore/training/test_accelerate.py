@@ -17,6 +17,7 @@ import torch
 
 import ckptstore
 from ckptstore.accelerate import load_state, save_state
+from tests.helpers import reap
 
 pytestmark = pytest.mark.slow  # minutes of subprocesses: left out of the quick loop
 
@@ -43,8 +44,7 @@ def run(repo: Path, project: Path, hold: int | None, async_save: bool) -> dict[s
         if p[0] == "hold":
             os.kill(proc.pid, signal.SIGKILL)
             break
-    proc.wait(timeout=120)
-    err = proc.stderr.read()[-3000:] if proc.stderr else ""
+    err = reap(proc, 120)
     assert proc.returncode == (-signal.SIGKILL if hold is not None else 0), err
     return out
 
