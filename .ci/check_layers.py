@@ -79,6 +79,14 @@ TORCH_MODULES: dict[str, str] = {
     "ckptstore/training/torchtitan.py": "the torchtitan checkpointer",
     "ckptstore/healing/dtensors.py": "live healing: DTensors rebuilt on the receiver's mesh",
     "ckptstore/torchft.py": "the torchft CheckpointTransport (torch state dicts)",
+    "ckptstore/dcp/api.py": "ckptstore.dcp.save/load: torch.distributed.checkpoint calls",
+    "ckptstore/dcp/commit.py": "DCP saves: rank 0 commits the manifest of DCP's write results",
+    "ckptstore/dcp/metadata.py": "DCP's Metadata as JSON and back",
+    "ckptstore/dcp/parts.py": "DCP's chunk grids of sharded tensors",
+    "ckptstore/dcp/planners.py": "DCP SavePlanner/LoadPlanner without pickled bytes",
+    "ckptstore/dcp/reader.py": "the DCP StorageReader",
+    "ckptstore/dcp/reads.py": "verified reads into the tensors DCP resolves",
+    "ckptstore/dcp/writer.py": "the DCP StorageWriter",
     "dataloader/loading/collate.py": "batches as torch tensors, only when asked for",
 }
 OPTIONAL_IMPORTS: dict[str, dict[str, str]] = {

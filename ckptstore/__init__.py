@@ -12,6 +12,7 @@ Where things are (each folder's `__init__` says more; imports flow down this lis
     repository/      CheckpointStore: one store (single.py) or tiers of them (tiered.py)
     tools/           copying, inspection, import/export, the zarr view
     training/        CheckpointManager, torch.distributed, peers, RNG state, integrations
+    dcp/             a torch.distributed.checkpoint storage backend: DCP saves into a repository
     healing/         live healing: a replica's state served chunk by chunk, fetched verified
     cli/             the `ckpt` command
 

@@ -15,7 +15,7 @@ import json
 import json.encoder
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..collector import paused_collector
@@ -109,6 +109,12 @@ class TensorEntry:
     def chunk_region(self, index: int) -> tuple[tuple[int, int], ...]:
         """[start, stop) per dimension of chunk `index` (0-d: ())."""
         return chunk_region(self.shape, self.block_shape(), index)
+
+    def chunk_alone(self, index: int, extents: tuple[int, ...]) -> TensorEntry:
+        """An entry describing chunk `index` alone, as a tensor of its own `extents` (its
+        region's sizes): a reader given it fills exactly that chunk's elements."""
+        return replace(self, shape=extents, chunk_rows=max(1, extents[0]) if extents else 1,
+                       chunks=(self.chunks[index],), storage=None, chunk_shape=None)
 
     @property
     def row_bytes(self) -> int:

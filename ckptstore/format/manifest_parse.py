@@ -1,6 +1,6 @@
 """Reading manifests: `parse_manifest` takes untrusted bytes and returns a fully validated
 Manifest or raises FormatError naming the first thing wrong. The rules themselves are
-`manifest.entry_problem` (tensor entries) and `_check_tree` (the state tree); this module
+`manifest.entry_problem` (tensor entries) and `check_tree` (the state tree); this module
 checks the JSON structure around them, the seal and the header fields.
 """
 
@@ -183,7 +183,7 @@ def _parse_tensor(doc: Any, index: int) -> TensorEntry:
     return entry
 
 
-def _check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
+def check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
     """Validate the typed state tree (forms listed in tree.py)."""
     if depth > MAX_TREE_DEPTH:
         raise FormatError(f"state tree nested deeper than {MAX_TREE_DEPTH}")
@@ -204,15 +204,15 @@ def _check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
                      (key[0] == "i" and type(key[1]) is int))):
                 raise FormatError("tree dict key must be ['s', str] or ['i', int], "
                                   f"got {key!r:.80}")
-            _check_tree(item[1], n_tensors, depth + 1)
+            check_tree(item[1], n_tensors, depth + 1)
         if "meta" in node:
-            _check_tree(node["meta"], n_tensors, depth + 1)
+            check_tree(node["meta"], n_tensors, depth + 1)
         return
     if len(node) != 1:
         raise FormatError(f"tree node {kind!r:.40} has extra fields")
     if kind in ("list", "tuple"):
         for item in _list(value, "tree"):
-            _check_tree(item, n_tensors, depth + 1)
+            check_tree(item, n_tensors, depth + 1)
     elif kind == "none":
         if value is not None:
             raise FormatError("tree 'none' node must hold null")
@@ -298,7 +298,7 @@ def _parse_manifest(data: bytes, expected_name: str | None,
         raise FormatError("manifest metadata must be an object")
     tensors = _parse_tensors(_list(d["tensors"], "tensors"))
     try:
-        _check_tree(d["tree"], len(tensors))
+        check_tree(d["tree"], len(tensors))
     except RecursionError:
         raise FormatError("state tree nested too deeply") from None
     return Manifest(name=name, created=float(created), metadata=d["metadata"], tree=d["tree"],
@@ -337,7 +337,7 @@ def parses_back_equal(m: Manifest, expected_name: str | None = None) -> bool:
         validate_name(m.name)
         if m.parent is not None:
             validate_name(m.parent)
-        _check_tree(m.tree, len(m.tensors))
+        check_tree(m.tree, len(m.tensors))
     except (ValueError, RecursionError):  # FormatError and InvalidNameError are ValueErrors
         return False
     if not (_json_native(m.metadata) and _json_native(m.tree)):

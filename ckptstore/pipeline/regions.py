@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,12 +32,6 @@ class _Copy:
     chunk_shape: tuple[int, ...]
     dest: np.ndarray  # the region's bytes shaped (*local_shape, itemsize)
     parts: list[tuple[tuple[slice, ...], tuple[slice, ...]]]
-
-
-def _single_chunk(entry: TensorEntry, index: int, extents: tuple[int, ...]) -> TensorEntry:
-    """An entry describing chunk `index` alone, as a tensor of its own shape."""
-    return replace(entry, shape=extents, chunk_rows=max(1, extents[0]) if extents else 1,
-                   chunks=(entry.chunks[index],), storage=None, chunk_shape=None)
 
 
 class RegionReads:
@@ -84,14 +78,14 @@ class RegionReads:
             if in_place and inter == list(creg) and extents[1:] == tuple(local_shape[1:]):
                 row = math.prod(local_shape[1:]) * itemsize  # whole local rows: read in place
                 lo = (creg[0][0] - box.start[0]) * row
-                self._direct.append(ReadTarget(_single_chunk(entry, index, extents),
+                self._direct.append(ReadTarget(entry.chunk_alone(index, extents),
                                                buffer[lo : lo + extents[0] * row]))
                 continue
             dst = tuple(slice(a - s + loc, b - s + loc)
                         for (a, b), s, loc in zip(inter, box.start, box.local))
             src = tuple(slice(a - s, b - s) for (a, b), (s, _e) in zip(inter, creg))
             if index not in copies:
-                copies[index] = _Copy(_single_chunk(entry, index, extents), extents, dest, [])
+                copies[index] = _Copy(entry.chunk_alone(index, extents), extents, dest, [])
             copies[index].parts.append((dst, src))
 
     def run(self) -> None:

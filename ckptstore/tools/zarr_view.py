@@ -19,7 +19,6 @@ import itertools
 import json
 import math
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -120,8 +119,7 @@ class CheckpointZarrStore(Store):
         if entry.is_grid:
             extents = tuple(b - a for a, b in entry.chunk_region(index))
             part = np.empty(math.prod(extents) * entry.dtype.itemsize, np.uint8)
-            one = replace(entry, shape=extents, chunk_rows=extents[0], chunk_shape=None,
-                          chunks=(entry.chunks[index],), storage=None)
+            one = entry.chunk_alone(index, extents)
             self._reader.read_tensors([ReadTarget(one, part)])
             block = entry.block_shape()
             full = np.zeros((*block, entry.dtype.itemsize), np.uint8)
@@ -132,7 +130,7 @@ class CheckpointZarrStore(Store):
         row_bytes = entry.row_bytes if entry.shape else entry.dtype.itemsize
         out = np.zeros(full_rows * row_bytes, np.uint8)
         rows = (stop - start) if entry.shape else 1
-        one = _single_chunk_entry(entry, index, rows)
+        one = entry.chunk_alone(index, (rows, *entry.shape[1:]) if entry.shape else ())
         self._reader.read_tensors([ReadTarget(one, out[: rows * row_bytes])])
         return out.tobytes()
 
@@ -196,14 +194,6 @@ class CheckpointZarrStore(Store):
 def _grid(entry: TensorEntry) -> list[int]:
     """Chunks per dimension of an entry's (zarr) chunk grid."""
     return [max(1, -(-n // c)) for n, c in zip(entry.shape, entry.zarr_chunk_shape())]
-
-
-def _single_chunk_entry(entry: TensorEntry, index: int, rows: int) -> TensorEntry:
-    """An entry describing just chunk `index` (so the reader fills exactly its rows)."""
-
-    shape = (rows, *entry.shape[1:]) if entry.shape else ()
-    return replace(entry, shape=shape, chunk_rows=max(1, rows) if entry.shape else 1,
-                   chunks=(entry.chunks[index],), storage=None)
 
 
 def _slice(data: bytes, byte_range: ByteRequest | None) -> bytes:
