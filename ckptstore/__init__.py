@@ -30,6 +30,7 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CkptStoreError,
+    DeviceCopyError,
     DurabilityError,
     ExportWarning,
     FormatError,
@@ -64,7 +65,8 @@ from .version import __version__
 
 __all__ = [
     "CheckpointExistsError", "CheckpointInfo", "CheckpointManager", "CheckpointNotFoundError",
-    "CheckpointStore", "CkptStoreError", "Codec", "DurabilityError", "ExportWarning",
+    "CheckpointStore", "CkptStoreError", "Codec", "DeviceCopyError", "DurabilityError",
+    "ExportWarning",
     "FormatError", "GcReport",
     "IntegrityError", "InvalidNameError", "KeyMismatchError", "LeaseBusyError", "LocalStore",
     "MemoryStore",

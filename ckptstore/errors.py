@@ -61,6 +61,11 @@ class CheckpointExistsError(CkptStoreError, FileExistsError):
     """A checkpoint of that name exists already; it was not touched."""
 
 
+class DeviceCopyError(CkptStoreError, RuntimeError):
+    """A copy between a device and host memory failed (a device error). A save fails with it
+    and commits nothing; a load fails with it and its `into=` tensors may be partly filled."""
+
+
 class IntegrityError(CkptStoreError, ValueError):
     """Bytes read back do not match their recorded digest or size."""
 

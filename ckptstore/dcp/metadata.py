@@ -304,7 +304,7 @@ def flatten(manifest: Manifest) -> list[tuple[str, Path, Any]]:
 def synthesize(manifest: Manifest) -> Metadata:
     """The DCP Metadata of a checkpoint saved by `CheckpointStore.save`: every tensor one
     chunk of its whole shape (reads take any region of it), every other value plain."""
-    from ..format.torch_types import _torch_dtype
+    from ..format.torch_types import torch_dtype
 
     sdm: dict[str, Any] = {}
     mappings: dict[str, Path] = {}
@@ -318,7 +318,7 @@ def synthesize(manifest: Manifest) -> Metadata:
             entry = manifest.tensors[index]
             size = torch.Size(entry.shape)
             sdm[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=_torch_dtype(entry.dtype.name),
+                properties=TensorProperties(dtype=torch_dtype(entry.dtype.name),
                                             requires_grad=entry.requires_grad),
                 size=size, chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)),
                                                         sizes=size)])

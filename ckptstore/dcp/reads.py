@@ -14,7 +14,6 @@ FileSystemReader does). No full-tensor temporaries either way.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +30,7 @@ from ..concurrency import completed
 from ..errors import CkptStoreError
 from ..format.manifest import TensorEntry
 from ..format.regions import block_runs
-from ..format.torch_types import _torch_dtype, byte_view, dtype_name, raw_numpy
+from ..format.torch_types import byte_view, dtype_name, raw_numpy, torch_dtype
 from ..pipeline.reader import CheckpointReader, ReadTarget
 from ..pipeline.regions import RegionReads
 
@@ -75,7 +74,7 @@ class TensorReads:
                 return
             self._add_strided(entry, raw_numpy(target), start, lengths)
             return
-        tmp = torch.empty(lengths, dtype=_torch_dtype(entry.dtype.name))
+        tmp = torch.empty(lengths, dtype=torch_dtype(entry.dtype.name))
         tmp_view = byte_view(tmp)
         assert tmp_view is not None
         self._add_contiguous(entry, tmp_view, start, lengths)
@@ -99,20 +98,9 @@ class TensorReads:
 
     def _add_strided(self, entry: TensorEntry, dest: Any, start: tuple[int, ...],
                      lengths: tuple[int, ...]) -> None:
-        block = entry.block_shape()
-        grid = [max(1, -(-n // c)) for n, c in zip(entry.shape, block)]
         region = [(s, s + n) for s, n in zip(start, lengths)]
-        per_dim = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(region, block)]
-        for pos in itertools.product(*per_dim):
-            index = 0
-            for p, g in zip(pos, grid):
-                index = index * g + p
-            creg = entry.chunk_region(index)
-            inter = [(max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(creg, region)]
-            if any(a >= b for a, b in inter):
-                continue
+        for index, inter, src in entry.chunks_over(region):
             dst = tuple(slice(a - s, b - s) for (a, b), s in zip(inter, start))
-            src = tuple(slice(a - c0, b - c0) for (a, b), (c0, _e) in zip(inter, creg))
             _e, parts = self.strided.setdefault((id(entry), index), (entry, []))
             parts.append((dest, dst, src))
 

@@ -11,10 +11,12 @@ which the parser and the writer both apply; the rules refer to each other.
 
 from __future__ import annotations
 
+import itertools
 import json
 import json.encoder
 import math
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -109,6 +111,25 @@ class TensorEntry:
     def chunk_region(self, index: int) -> tuple[tuple[int, int], ...]:
         """[start, stop) per dimension of chunk `index` (0-d: ())."""
         return chunk_region(self.shape, self.block_shape(), index)
+
+    def chunks_over(self, region: Sequence[tuple[int, int]]
+                    ) -> Iterator[tuple[int, tuple[tuple[int, int], ...], tuple[slice, ...]]]:
+        """The chunks a box `region` ([start, stop) per dimension) meets, in C order: each
+        chunk's index, the part of the box it holds (global [start, stop) per dimension) and
+        that part as slices of the chunk's own block."""
+        block = self.block_shape()
+        grid = [max(1, -(-n // c)) for n, c in zip(self.shape, block)]
+        per_dim = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(region, block)]
+        for pos in itertools.product(*per_dim):
+            index = 0
+            for p, g in zip(pos, grid):
+                index = index * g + p
+            creg = self.chunk_region(index)
+            inter = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(creg, region))
+            if any(a >= b for a, b in inter):
+                continue
+            yield index, inter, tuple(slice(a - c0, b - c0)
+                                      for (a, b), (c0, _c1) in zip(inter, creg))
 
     def chunk_alone(self, index: int, extents: tuple[int, ...]) -> TensorEntry:
         """An entry describing chunk `index` alone, as a tensor of its own `extents` (its

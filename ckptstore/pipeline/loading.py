@@ -1,22 +1,43 @@
 """Turning a manifest back into a state: choose the tensors, allocate (or adopt, for `into=`)
-their destinations, read them in parallel, rebuild the tree."""
+their destinations, read them in parallel, rebuild the tree. Destinations on a device (GPU
+`into=` tensors, or new tensors with `device=`) are read through page-locked bounce slots
+and copied up by the device seam (DeviceReads).
+
+Why one module: the host and device paths share one plan of targets (which tensors, which
+rows, which boxes) and one rebuild of the tree; splitting them would write that plan twice.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import functools
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..collector import paused_collector
+from ..concurrency import completed
 from ..errors import FormatError, KeyMismatchError
 from ..format import tree as tree_mod
 from ..format.manifest import Manifest, TensorEntry
-from ..format.regions import Runs, block_runs, single_offset
+from ..format.regions import Box, Runs, block_runs, boxes, single_offset
 from ..format.shard import Shard
+from .budget import ByteBudget
+from .device import (
+    CopyEvent,
+    Device,
+    DeviceBlock,
+    Select,
+    block_of,
+    copy_to_device,
+    on_device,
+    settle,
+    wait_all,
+)
+from .overlap import StagingPool, host_pool
 from .reader import CheckpointReader, ReadTarget
 from .regions import RegionReads
 
@@ -161,15 +182,21 @@ class LoadPlan:
     also: dict[int, list[str]]
     dests: dict[str, Any]
     keep: Callable[[str], bool] | None
+    #: where new torch tensors are made: a device seam (pipeline/device.py), None for host
+    device: Any = None
 
 
 def plan_load(manifest: Manifest, into: Any = None, keys: Iterable[str] | None = None,
-              strict: bool = True, max_alloc_bytes: int | None = None) -> LoadPlan:
+              strict: bool = True, max_alloc_bytes: int | None = None,
+              device: Any = None) -> LoadPlan:
     """Plan a load (LoadPlan): select the tensors (`keys`: those subtrees), match them with
     the `into=` destinations, and check everything that can be checked without reading:
     requested keys exist, destinations fit (KeyMismatchError listing the problems; with
     `strict`, every destination must be in the checkpoint), and the tensors to create declare
-    at most `max_alloc_bytes` (FormatError, see check_allocation)."""
+    at most `max_alloc_bytes` (FormatError, see check_allocation). `device` ("cuda:0", a
+    torch.device, a device seam; None or "cpu": host memory): where new torch tensors are
+    made (UnsupportedTypeError if it is not one, or not available)."""
+    seam = _torch_interop().resolve_device(device) if device is not None else None
     keep = key_filter(keys)
     # per tensor only strings and temporaries: thousands of retained tuples would cost more
     # in the cyclic GC's full collections than building them
@@ -189,7 +216,7 @@ def plan_load(manifest: Manifest, into: Any = None, keys: Iterable[str] | None =
             _check_into(manifest, [i], {i: k}, {k: dests[k]}, False, keep)
     check_allocation(manifest, [i for i in selected if key_of.get(i, "") not in dests],
                      max_alloc_bytes)
-    return LoadPlan(manifest, selected, key_of, also, dests, keep)
+    return LoadPlan(manifest, selected, key_of, also, dests, keep, seam)
 
 
 def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:
@@ -202,6 +229,7 @@ def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:
         values: dict[int, Any] = {}
         targets: list[ReadTarget] = []
         regions = RegionReads(reader)
+        device_reads = DeviceReads(reader)
         finishers: list[Callable[[], None]] = []
         for i in plan.selected:
             entry = manifest.tensors[i]
@@ -214,7 +242,7 @@ def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:
             try:
                 if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
                     if torch_mat is None:
-                        torch_mat = _torch_interop().TorchMaterializer()
+                        torch_mat = _torch_interop().TorchMaterializer(plan.device)
                     value, buf, fin = (torch_mat.into(dest, entry) if dest is not None
                                        else torch_mat.new(entry))
                 elif entry.kind == "bytes":
@@ -229,7 +257,9 @@ def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:
             if buf.nbytes:
                 local_shape = tuple(dest.shape) if dest is not None else entry.shape
                 by_rows, rows = _row_range(entry, local_shape, runs)
-                if by_rows:
+                if on_device(buf):
+                    device_reads.add(entry, block_of(buf), local_shape, runs)
+                elif by_rows:
                     targets.append(ReadTarget(entry, buf, rows))
                 else:
                     regions.add(entry, buf, local_shape, runs)
@@ -237,6 +267,7 @@ def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:
                 finishers.append(fin)
     reader.read_tensors(targets)
     regions.run()
+    device_reads.run()
     for fin in finishers:
         fin()
     for i, extra in plan.also.items():  # the same tensor at other keys: copied there
@@ -251,11 +282,179 @@ def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:
 
 def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
                keys: Iterable[str] | None = None, strict: bool = True,
-               max_alloc_bytes: int | None = None) -> Any:
+               max_alloc_bytes: int | None = None, device: Any = None) -> Any:
     """Rebuild the saved state: `plan_load`, then `execute_load`. With `into`, tensors found
     in it by dotted key are filled in place and returned as the same objects; with `keys`,
-    only those subtrees are loaded."""
-    return execute_load(plan_load(manifest, into, keys, strict, max_alloc_bytes), reader)
+    only those subtrees are loaded; with `device`, new torch tensors are made there."""
+    return execute_load(plan_load(manifest, into, keys, strict, max_alloc_bytes, device),
+                        reader)
+
+
+# ------------------------------------------------------------------------------ devices
+#: the page-locked slots of device loads, unless the store's pool has larger ones already
+LOAD_SLOT_BYTES = 16 << 20
+
+
+@dataclass
+class _Up:
+    """One copy to the device: `dst` = the job buffer's bytes at `offset`, seen as an array of
+    `shape` and `dtype` (or its part `select`)."""
+
+    dst: Any
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int
+    select: Select | None = None
+
+
+@dataclass
+class _DeviceJob:
+    """Read `reads` (entry, offset in the job's buffer, bytes, rows) verified into one host
+    buffer of `nbytes`, then copy `ups` to `device`."""
+
+    device: Device
+    key: str
+    reads: list[tuple[TensorEntry, int, int, tuple[int, int] | None]] = field(
+        default_factory=list)
+    ups: list[_Up] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class DeviceReads:
+    """Reads into destinations on a device (DeviceArray targets: `into=` tensors on a GPU, or
+    new tensors made there with `device=`), with no host copy of a whole tensor.
+
+    Each job reads its pieces through the reader (every chunk verified) into a page-locked
+    slot of the store's host pool (overlap.host_pool: kept with the store, pinned once), and
+    only then issues the copies to the device; the slot goes back to the pool once those
+    copies completed. Jobs run on the reader's threads, so while one job's copies run the
+    next jobs read: reads overlap copies. A large tensor is read in jobs of whole chunks of
+    up to a slot (a chunk larger than a slot gets a buffer of its own, not pinned); tensors
+    of one chunk (packed ones, mostly) are read together (one reader call: reads of a pack
+    are merged) and copied up one by one; a region of an N-D chunk grid (a
+    DTensor's shard) is read chunk by chunk, each chunk copied up whole and its part placed
+    on the device."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self._jobs: list[_DeviceJob] = []
+        self._small: dict[str, _DeviceJob] = {}  # per device: the job small pieces join
+        self._devices: dict[str, Device] = {}
+        self._pool: StagingPool | None = None
+
+    @property
+    def pool(self) -> StagingPool:
+        if self._pool is None:
+            want = min(LOAD_SLOT_BYTES, max(1, self.reader.options.max_inflight_bytes // 2))
+            self._pool = host_pool(self.reader.store, want)
+        return self._pool
+
+    def add(self, entry: TensorEntry, target: DeviceBlock, local_shape: tuple[int, ...],
+            runs: Runs | None) -> None:
+        """Fill `target` (of `local_shape`) with the elements of `entry` that `runs` place
+        there (None: the whole tensor)."""
+        self._devices.setdefault(target.device.name, target.device)
+        by_rows, rows = _row_range(entry, local_shape, runs)
+        if not by_rows:
+            self._add_region(entry, target, local_shape, runs)
+        elif not entry.shape or (len(entry.chunks) == 1 and target.nbytes <= self.pool.slot_bytes):
+            self._add_small(entry, target, rows)  # one chunk (a packed one, mostly)
+        else:
+            self._add_rows(entry, target, rows)
+
+    def _add_small(self, entry: TensorEntry, target: DeviceBlock,
+                   rows: tuple[int, int] | None) -> None:
+        slot = self.pool.slot_bytes
+        job = self._small.get(target.device.name)
+        offset = -(-job.nbytes // 64) * 64 if job is not None else 0
+        if job is None or offset + target.nbytes > slot:
+            job = self._small[target.device.name] = _DeviceJob(target.device, entry.key)
+            self._jobs.append(job)
+            offset = 0
+        job.reads.append((entry, offset, target.nbytes, rows))
+        job.ups.append(_Up(target.tensor, target.shape, target.dtype, offset))
+        job.nbytes = offset + target.nbytes
+
+    def _add_rows(self, entry: TensorEntry, target: DeviceBlock,
+                  rows: tuple[int, int] | None) -> None:
+        lo, hi = rows if rows is not None else (0, entry.shape[0])
+        row = entry.row_bytes
+        slot = self.pool.slot_bytes
+        start = lo
+        while start < hi:  # jobs of whole chunks, up to a slot (at least one chunk)
+            stop = start
+            while stop < hi:
+                end = min(hi, (stop // entry.chunk_rows + 1) * entry.chunk_rows)
+                if stop > start and (end - start) * row > slot:
+                    break
+                stop = end
+            job = _DeviceJob(target.device, entry.key, nbytes=(stop - start) * row)
+            job.reads.append((entry, 0, job.nbytes, (start, stop)))
+            job.ups.append(_Up(target.tensor[start - lo : stop - lo],
+                               (stop - start, *entry.shape[1:]), target.dtype, 0))
+            self._jobs.append(job)
+            start = stop
+
+    def _add_region(self, entry: TensorEntry, target: DeviceBlock,
+                    local_shape: tuple[int, ...], runs: Runs | None) -> None:
+        ndim = len(entry.shape)
+        parts = boxes(runs) if runs is not None else [Box((0,) * ndim, (0,) * ndim, entry.shape)]
+        pairs: dict[int, list[tuple[Select, Select]]] = {}  # chunk -> (dst, src) per box
+        for box in parts:
+            for index, inter, src in entry.chunks_over(list(zip(box.start, box.stop))):
+                dst = tuple(slice(a - s + loc, b - s + loc)
+                            for (a, b), s, loc in zip(inter, box.start, box.local))
+                pairs.setdefault(index, []).append((dst, src))
+        for index, found in pairs.items():
+            extents = tuple(b - a for a, b in entry.chunk_region(index))
+            one = entry.chunk_alone(index, extents)
+            job = _DeviceJob(target.device, entry.key, nbytes=one.nbytes)
+            job.reads.append((one, 0, one.nbytes, None))
+            for dst, src in found:
+                whole = all(s.start == 0 and s.stop == n for s, n in zip(src, extents))
+                job.ups.append(_Up(target.tensor[dst], extents, target.dtype, 0,
+                                   None if whole else src))
+            self._jobs.append(job)
+
+    def run(self) -> None:
+        """Run every job (the class docstring); raises the reader's IntegrityError (or a
+        DeviceCopyError) on the first failure, after every copy issued has completed."""
+        jobs, self._jobs, self._small = self._jobs, [], {}
+        if not jobs:
+            return
+        # the copies wait for what this thread issued on the device before the load (e.g.
+        # the kernels that initialized the destinations)
+        marks = {name: dev.mark() for name, dev in self._devices.items()}
+        budget = ByteBudget(self.reader.options.max_inflight_bytes)
+        jobs.sort(key=lambda j: -j.nbytes)
+        workers = min(self.reader.options.workers, len(jobs))
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load-device") as pool:
+            for _ in completed(pool.submit(self._run_job, job, budget, marks)
+                               for job in jobs):
+                pass
+
+    def _run_job(self, job: _DeviceJob, budget: ByteBudget,
+                 marks: dict[str, CopyEvent]) -> None:
+        pool = self.pool
+        device = job.device
+        what = f"tensor {job.key!r}: the copy to {device.name}"
+        with budget.hold(max(job.nbytes, pool.slot_bytes)), \
+                pool.buffer(job.nbytes, (device,)) as slot:
+            # read and verified: nothing below is issued for bytes that failed their digest
+            self.reader.read_tensors([ReadTarget(entry, slot[off : off + n], rows)
+                                      for entry, off, n, rows in job.reads])
+            after = marks.get(device.name)
+            events: list[tuple[CopyEvent, str]] = []
+            try:
+                for up in job.ups:
+                    src = np.ndarray(up.shape, up.dtype, slot, up.offset)
+                    events.append((copy_to_device(device, src, up.dst, up.select, after, what),
+                                   what))
+            except BaseException:
+                settle(events)  # the slot is reused only after its copies ran
+                raise
+            wait_all(events)
+
 
 
 def _copy_into(dest: Any, value: Any) -> None:

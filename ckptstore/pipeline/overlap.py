@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
@@ -43,6 +44,7 @@ from ..errors import SourceChangedError, UnsupportedTypeError
 from ..format.leaf import ArrayLeaf
 from ..stores.base import Store
 from ..stores.local import LocalStore
+from .device import CopyEvent, Device, Pins, block_of, host_buffer, marks_for, on_device
 from .options import SaveOptions
 from .writer_process import SharedSlot, WriterProcess, writer_process_available
 
@@ -58,7 +60,11 @@ class StagingPool:
     """Reusable slots of `slot_bytes` for block copies; slots are allocated lazily and kept.
     How many are in use at once is bounded by the writer's ByteBudget (each holder holds at
     least a slot's bytes), so at most budget // slot_bytes slots ever exist. With a
-    `writer` process, slots are shared memory that process writes from (`sink`)."""
+    `writer` process, slots are shared memory that process writes from (`sink`).
+
+    A slot that receives copies from a device (`buffer(..., devices)`) is page-locked for it
+    the first time and stays so while the pool lives (`pins`): the pool is the pinned host
+    memory of device saves, kept and reused from save to save."""
 
     def __init__(self, slot_bytes: int, writer: WriterProcess | None = None) -> None:
         self.slot_bytes = slot_bytes
@@ -66,35 +72,43 @@ class StagingPool:
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
         self.allocated = 0
+        self.pins = Pins()
+        self._unpin = weakref.finalize(self, self.pins.release)
 
     def _new_slot(self, index: int) -> np.ndarray:
         if self.sink is None:
-            return np.empty(self.slot_bytes, np.uint8)
+            return host_buffer(self.slot_bytes)  # its own pages: page-lockable
         shared = SharedSlot(index, self.slot_bytes)
         self.sink.add_slot(shared)
         return shared.array
 
     @contextmanager
-    def buffer(self, nbytes: int) -> Iterator[np.ndarray]:
-        """A flat uint8 buffer of at least `nbytes` (a pooled slot when it fits)."""
+    def buffer(self, nbytes: int, devices: Iterable[Device] = ()) -> Iterator[np.ndarray]:
+        """A flat uint8 buffer of at least `nbytes` (a pooled slot when it fits), page-locked
+        for `devices` (the devices copying into or out of it)."""
         if nbytes > self.slot_bytes:
-            yield np.empty(nbytes, np.uint8)  # a block larger than a slot (one huge row)
+            # a block larger than a slot (one huge row): not pooled, so not pinned either
+            # (device copies into it are synchronous)
+            yield np.empty(nbytes, np.uint8)
             return
         with self._lock:
             slot = self._free.pop() if self._free else None
             if slot is None:
                 index = self.allocated
                 self.allocated += 1
-        if slot is None:
-            slot = self._new_slot(index)
         try:
+            if slot is None:
+                slot = self._new_slot(index)
+            self.pins.ensure(slot, devices)
             yield slot
         finally:
-            with self._lock:
-                self._free.append(slot)
+            if slot is not None:
+                with self._lock:
+                    self._free.append(slot)
 
     def close(self) -> None:
-        """Stop the writer process, if any (the pool's slots stay usable by threads)."""
+        """Stop the writer process, if any (the pool's slots stay usable by threads; their
+        page locks stay until the pool is dropped)."""
         if self.sink is not None:
             self.sink.close()
 
@@ -118,6 +132,24 @@ def staging_pool(current: StagingPool | None, store: Store, options: SaveOptions
         assert isinstance(store, LocalStore)
         writer = WriterProcess(store.root, threads)
     return StagingPool(slot, writer)
+
+
+#: per store: the pool of device blocks for saves that are not overlapped and for restores
+#: (overlapped saves have their own pool, the repository's: staging_pool)
+_HOST_POOLS: weakref.WeakKeyDictionary[Store, StagingPool] = weakref.WeakKeyDictionary()
+_HOST_POOLS_LOCK = threading.Lock()
+
+
+def host_pool(store: Store, slot_bytes: int) -> StagingPool:
+    """The pool of page-locked slots through which saves that are not overlapped, and
+    restores, move the bytes of device tensors of `store`: one per store object, kept while
+    it lives (each slot pinned once, then reused); replaced only when a caller needs larger
+    slots. How many slots exist is bounded by the budgets of the saves and loads using it."""
+    with _HOST_POOLS_LOCK:
+        pool = _HOST_POOLS.get(store)
+        if pool is None or pool.slot_bytes < slot_bytes:
+            pool = _HOST_POOLS[store] = StagingPool(max(slot_bytes, 1))
+        return pool
 
 
 def check_async_writer(async_writer: str, store: Store) -> None:
@@ -150,7 +182,13 @@ class Overlap:
         #: the save's Turns (the writer's): a guard lends them the trainer's core while the
         #: trainer waits
         self.turns = turns
-        self.sources = [_version_source(o) for o in objects]
+        # a device tensor's source: the object itself, or (when the repository left it out
+        # as already copied, as it did when encoding copied device tensors) its leaf's
+        self.sources = [_version_source(o) if o is not None or not on_device(leaf.array)
+                        else _version_source(block_of(leaf.array).source)
+                        for o, leaf in zip(objects, leaves)]
+        #: the values to save are those of the call: device copies wait for these
+        self.marks: dict[str, CopyEvent] = marks_for(leaf.array for leaf in leaves)
         self.versions = [None if s is None else int(s._version) for s in self.sources]
         self.events = [threading.Event() for _ in leaves]
         self._remaining = [0] * len(leaves)
@@ -158,6 +196,10 @@ class Overlap:
         self.finished = False
         self.guarded: set[int] = set()  # leaves a guard covers: their step waits for the copy
         self.waited = 0.0  # seconds optimizer.step() waited for this save (guards)
+
+    def mark(self, device: str) -> CopyEvent | None:
+        """The call-time mark of a device (see pipeline/device.py)."""
+        return self.marks.get(device)
 
     def expect(self, counts: dict[int, int]) -> None:
         """The writer is about to copy counts[i] blocks of leaf i (no entry: none)."""
@@ -246,6 +288,8 @@ class Tracking(Protocol):
     @property
     def pool(self) -> StagingPool: ...
 
+    def mark(self, device: str) -> CopyEvent | None: ...
+
     def expect(self, counts: dict[int, int]) -> None: ...
 
     def check(self, i: int) -> None: ...
@@ -261,6 +305,9 @@ class Remapped:
         self._overlap = overlap
         self._leaf_of = leaf_of
         self.pool = overlap.pool
+
+    def mark(self, device: str) -> CopyEvent | None:
+        return self._overlap.mark(device)
 
     def expect(self, counts: dict[int, int]) -> None:
         total: dict[int, int] = {}

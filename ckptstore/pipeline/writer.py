@@ -21,12 +21,12 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
 
-from ..concurrency import Turns, completed
+from ..concurrency import BOOST_THREADS, Turns, completed
 from ..errors import (
     CheckpointExistsError,
     CkptStoreError,
@@ -48,12 +48,29 @@ from ..format.manifest import (
 from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
+from .device import (
+    CopyEvent,
+    Device,
+    DeviceBlock,
+    block_of,
+    copy_to_host,
+    devices_of,
+    marks_for,
+    on_device,
+    settle,
+    wait_all,
+    wait_copy,
+)
 from .options import SaveOptions
-from .overlap import Overlap, Remapped, Tracking
+from .overlap import Overlap, Remapped, StagingPool, Tracking, host_pool
 from .planning import LeafPlan, TensorSpec, pack_groups, plan_leaves
 from .planning import rows_per_chunk as rows_per_chunk  # re-exported: older imports
 
 MiB = 1 << 20
+#: An overlapped save of device tensors runs a thread per slot its budget allows (each waits
+#: for its copy's event, which costs no CPU), up to this many: copies then run ahead of
+#: writes by `max_host_bytes`, not by MAX_OVERLAP_THREADS blocks
+MAX_DEVICE_THREADS = 1024
 #: A save copies the small arrays it would reuse from a pack into its own new pack when they
 #: are less than this fraction of that pack's bytes (see CheckpointWriter._mostly_dead).
 RECLAIM_LIVE_FRACTION = 0.5
@@ -190,6 +207,8 @@ class CheckpointWriter:
         self.overlap = overlap
         #: A save beside training: how many of the pool's threads work at once
         self.turns = turns if turns is not None else background_turns(options)
+        #: device saves not overlapped: per device, the mark the copies wait for (write_blobs)
+        self._marks: dict[str, CopyEvent] = {}
 
     def _turn(self, copy: bool = False) -> AbstractContextManager[None]:
         """A turn to work (concurrency.Turns) in a save beside training; else no wait."""
@@ -213,6 +232,8 @@ class CheckpointWriter:
     def _chunk_job(self, leaf: ArrayLeaf, start: int, stop: int, index: int,
                    overlap: Tracking | None) -> ChunkRef:
         block = leaf.array[start:stop] if leaf.array.ndim else leaf.array
+        if on_device(block):
+            return self._device_chunk_job(leaf, block_of(block), index, overlap)
         if overlap is None:
             need_copy = not block.flags.c_contiguous
             with self.budget.hold(block.nbytes if need_copy else 0), self._turn():
@@ -233,6 +254,93 @@ class CheckpointWriter:
             overlap.copied(index)
             with self._turn():
                 return self._chunk_of(leaf, dst, hold_compressed=False)
+
+    # ---------------------------------------------------------------- device blocks
+    def _host_pool(self) -> StagingPool:
+        """Page-locked slots for the device blocks of a save that is not overlapped."""
+        return host_pool(self.store, min(self.options.chunk_bytes,
+                                         self.options.max_inflight_bytes))
+
+    def _mark(self, device: Device, overlap: Tracking | None) -> CopyEvent | None:
+        """What a copy from `device` waits for: the work issued before the save (its mark)."""
+        found = overlap.mark(device.name) if overlap is not None else None
+        return found if found is not None else self._marks.get(device.name)
+
+    def _to_host(self, leaf: ArrayLeaf, block: DeviceBlock, dst: np.ndarray,
+                 overlap: Tracking | None) -> tuple[CopyEvent, str]:
+        what = f"{leaf.key}: the copy from {block.device.name} to host memory"
+        after = self._mark(block.device, overlap)
+        return copy_to_host(block, dst, after, what), what
+
+    def _device_chunk_job(self, leaf: ArrayLeaf, block: DeviceBlock, index: int,
+                          overlap: Tracking | None) -> ChunkRef:
+        """One block of a device tensor: copied into a page-locked slot after the save's
+        mark, hashed and written only once the copy's event completed; the slot goes back to
+        the pool once the block is written (pipeline/device.py)."""
+        pool = overlap.pool if overlap is not None else self._host_pool()
+        nbytes = block.nbytes
+        extra = nbytes // 2 if self.options.compression is not None else 0
+        with self.budget.hold(max(nbytes, pool.slot_bytes) + extra), \
+                pool.buffer(nbytes, (block.device,)) as slot:
+            dst = np.ndarray(block.shape, block.dtype, slot, 0)
+            # enqueueing a copy takes no turn: it costs microseconds of CPU, and a turn held
+            # by a write that waits for the disk must not hold back the copies
+            with self.stats.timed("stage"):
+                if overlap is not None:
+                    overlap.check(index)
+                event, what = self._to_host(leaf, block, dst, overlap)
+            with self.stats.timed("device"):  # no turn held: other copies are enqueued
+                wait_copy(event, what)
+            if overlap is not None:
+                overlap.check(index)
+                overlap.copied(index)
+            with self._turn():
+                return self._chunk_of(leaf, dst, hold_compressed=False)
+
+    def _device_pack_job(self, members: list[tuple[int, ArrayLeaf]], overlap: Tracking | None
+                         ) -> dict[int, ChunkRef]:
+        """A pack with members on a device: every member is staged into page-locked slots
+        (device members by copies after the save's mark, host members by a copy here), and
+        packed once every copy's event completed."""
+        pool = overlap.pool if overlap is not None else self._host_pool()
+        devices = list(devices_of(leaf.array for _i, leaf in members).values())
+        places, used = _place([-(-leaf.nbytes // 64) * 64 for _i, leaf in members],
+                              pool.slot_bytes)
+        total = sum(leaf.nbytes for _i, leaf in members)
+        hold = sum(max(u, pool.slot_bytes) for u in used) + total
+        with self.budget.hold(hold), ExitStack() as stack:
+            slots = [stack.enter_context(pool.buffer(u, devices)) for u in used]
+            staged: list[tuple[int, ArrayLeaf]] = []
+            pending: list[tuple[int, CopyEvent, str]] = []
+            on_host = not all(on_device(leaf.array) for _i, leaf in members)
+            try:  # a copy turn only for host members (device copies are only enqueued)
+                with self._turn(copy=True) if on_host else nullcontext(), \
+                        self.stats.timed("stage"):
+                    for (index, leaf), (k, pos) in zip(members, places):
+                        src = leaf.array
+                        dst = np.ndarray(src.shape, src.dtype.newbyteorder("="), slots[k], pos)
+                        if overlap is not None:
+                            overlap.check(index)
+                        if on_device(src):
+                            pending.append((index, *self._to_host(leaf, block_of(src), dst,
+                                                                  overlap)))
+                        else:
+                            np.copyto(dst, src)
+                            if overlap is not None:
+                                overlap.check(index)
+                                overlap.copied(index)
+                        staged.append((index, leaf.with_array(dst)))
+            except BaseException:
+                settle((event, what) for _i, event, what in pending)
+                raise
+            with self.stats.timed("device"):
+                wait_all((event, what) for _i, event, what in pending)
+            if overlap is not None:
+                for index, _event, _what in pending:
+                    overlap.check(index)
+                    overlap.copied(index)
+            with self._turn():
+                return self._pack_of(staged, hold=False)
 
     def _chunk_of(self, leaf: ArrayLeaf, block: np.ndarray, hold_compressed: bool) -> ChunkRef:
         """Hash, dedup, (compress and) write one C-contiguous block."""
@@ -266,6 +374,8 @@ class CheckpointWriter:
                   ) -> dict[int, ChunkRef]:
         """Pack small arrays into one blob; members already known are referenced, not packed.
         Per member only a digest and a lookup: the stats are summed once per pack."""
+        if any(on_device(leaf.array) for _i, leaf in members):
+            return self._device_pack_job(members, overlap)
         if overlap is None:
             with self._turn():
                 return self._pack_of(members, hold=True)
@@ -366,7 +476,14 @@ class CheckpointWriter:
         overlap: Tracking | None = self.overlap
         if overlap is not None and leaf_of is not None:
             overlap = Remapped(overlap, leaf_of)
-        with cf.ThreadPoolExecutor(opts.threads(), thread_name_prefix="ckpt-save") as pool:
+        if overlap is None:  # device copies read the values of now (the caller's thread)
+            self._marks = marks_for(leaf.array for leaf in leaves)
+        threads = opts.threads()
+        if overlap is not None and any(on_device(leaf.array) for leaf in leaves):
+            slots = opts.max_inflight_bytes // max(1, overlap.pool.slot_bytes)
+            threads = max(threads, min(MAX_DEVICE_THREADS, slots + opts.background_workers
+                                       + opts.background_io + BOOST_THREADS))
+        with cf.ThreadPoolExecutor(threads, thread_name_prefix="ckpt-save") as pool:
             futures: dict[cf.Future[Any], tuple[int, int]] = {}
             blocks = [(i, c, start, stop) for i, (leaf, plan) in enumerate(zip(leaves, plans))
                       if not plan.packed for c, start, stop in plan.local_chunks(leaf)]
@@ -449,6 +566,19 @@ class CheckpointWriter:
                             hash=self.options.hash.name)
         self.commit(manifest, manifest_key)
         return manifest
+
+
+def _place(sizes: list[int], slot_bytes: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Members of `sizes` bytes in slots of `slot_bytes`, in order: (slot, offset) of each,
+    and the bytes used in each slot (a member larger than a slot has one of its own)."""
+    places: list[tuple[int, int]] = []
+    used: list[int] = []
+    for n in sizes:
+        if not used or (used[-1] and used[-1] + n > slot_bytes):
+            used.append(0)
+        places.append((len(used) - 1, used[-1]))
+        used[-1] += n
+    return places, used
 
 
 def build_entries(specs: list[TensorSpec], plans: list[LeafPlan],

@@ -207,7 +207,7 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ load
     def load(self, name: str = LATEST, *, into: Any = None, keys: Iterable[str] | None = None,
-             strict: bool = True, prefer: Store | None = None) -> Any:
+             strict: bool = True, prefer: Store | None = None, device: Any = None) -> Any:
         """Restore a checkpoint. Returns a new nested state of the saved types; with `into`,
         tensors at the same dotted keys are filled in place (same objects returned) and
         `strict` requires every tensor of `into` to be in the checkpoint; with `keys`, only
@@ -222,7 +222,12 @@ class CheckpointStore:
 
         `prefer`: a store read before the tiers, manifest and chunks (blobs just received
         from a peer: training/peers.py); what it lacks comes from the tiers, and nothing is
-        repaired from it (its caller writes it to tier 0)."""
+        repaired from it (its caller writes it to tier 0).
+
+        `device` ("cuda:0", a torch.device; None or "cpu": host memory): where the new torch
+        tensors are made (tensors of `into` stay where they are). Tensors on a device, new or
+        in `into`, are filled through page-locked bounce buffers, each chunk verified before
+        its copy to the device is issued (pipeline/loading.DeviceReads)."""
         t0 = time.perf_counter()
         with quiet_collector():
             manifest = (self._preferred_manifest(name, prefer)
@@ -247,7 +252,8 @@ class CheckpointStore:
             reader = CheckpointReader(stores[0], self.load_options, fallbacks=stores[1:],
                                       on_fallback=on_fallback if len(stores) > 1 else None)
             try:
-                return load_state(reader, manifest, into=into, keys=keys, strict=strict)
+                return load_state(reader, manifest, into=into, keys=keys, strict=strict,
+                                  device=device)
             finally:
                 served = reader.bytes_by_source
                 by_uri = {prefer.uri: served[0]} if prefer is not None else {}

@@ -325,9 +325,7 @@ class SingleStore(CheckpointStore, kind="single"):
         sources: builtins.list[Any] = []
         for leaf in request.leaves:
             obj = objects.get(leaf.key)
-            if getattr(obj, "is_cpu", True) is False:
-                obj = None  # encoding copied it to the CPU already: a call-time copy
-            elif leaf.kind == "numpy" or leaf.key in copy_keys or (
+            if leaf.kind == "numpy" or leaf.key in copy_keys or (
                     leaf.kind == "torch" and getattr(obj, "_version", None) is None
                     and type(obj).__name__ != "Shard"):
                 if leaf.kind != "bytes":  # bytes are immutable: nothing to copy

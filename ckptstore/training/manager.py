@@ -59,7 +59,6 @@ from ..errors import (
     TierUnreachableError,
     UnrestorableCheckpointError,
 )
-from ..format.torch_types import resolve_device
 from ..format.tree import flatten_arrays
 from ..layout import blob_key
 from ..maintenance import leases
@@ -394,6 +393,8 @@ class CheckpointManager:
         page-locked buffers. Tensors restored in place (module parameters and buffers, plain
         entries) stay on their own devices; RNGState is always restored on the host."""
         if map_location is not None:
+            from ..format.torch_types import resolve_device
+
             resolve_device(map_location)  # one clear error before anything is read
         if self.peers is not None:
             self._flush_peers()
@@ -508,8 +509,9 @@ class CheckpointManager:
         # map_location: RNGState's tensors are host tensors whatever the device (torch's)
         on_host = ([k for k, v in state.items() if isinstance(v, RNGState)]
                    if device is not None else [])
+        where = {} if device is None else {"device": device}  # (a default load as before)
         loaded = self.repo.load(self.name_of(step), into=into, strict=False, prefer=prefer,
-                                keys=[k for k in state if k not in on_host], device=device)
+                                keys=[k for k in state if k not in on_host], **where)
         if on_host:
             loaded.update(self.repo.load(self.name_of(step), keys=on_host, strict=False,
                                          prefer=prefer))
