@@ -98,9 +98,11 @@ class Parts:
         return doc
 
     def flush(self) -> None:
-        if not self.parts:
+        if not self.parts and not self.values:
             return
-        refs = self.writer.write_blobs(self.parts, self.plans)
+        # values without arrays or bytes inside (an int, a string) have no parts, yet their
+        # documents still need their (empty) entries: a rank may hold nothing else
+        refs = self.writer.write_blobs(self.parts, self.plans) if self.parts else {}
         for doc, c, j in self.targets:
             doc["chunks"].append([c, ref_to_wire(refs[(j, 0)])])
         compression = self.writer.options.compression
