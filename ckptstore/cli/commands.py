@@ -25,7 +25,7 @@ from ..layout import BLOB_PREFIX, MANIFEST_PREFIX, manifest_key
 from ..maintenance import checks as maintenance
 from ..maintenance import leases
 from ..redact import redact_uri
-from ..repository import REPO_DEFAULT, CheckpointStore, Compression
+from ..repository import REPO_DEFAULT, CheckpointStore, Compression, ManifestProblem
 from ..tools import inspection
 from .exits import EXIT_BUSY, EXIT_ERROR, EXIT_FOUND, EXIT_OK, UsageError, one_line
 from .output import Output, finite, human_bytes, human_duration, iso_time, line, table
@@ -57,9 +57,12 @@ def load_manifests(repo: CheckpointStore) -> tuple[list[Manifest], list[dict[str
     bad = {p.key for p in problems}
     manifests = [m for name in repo.history() if manifest_key(name) not in bad
                  and (m := repo.find_manifest(name)) is not None]
-    errors = [{"name": _shown_name(p.key), "key": p.key, "error": " ".join(p.reason.split())}
-              for p in problems]
-    return manifests, errors
+    return manifests, _errors_of(problems)
+
+
+def _errors_of(problems: list[ManifestProblem]) -> list[dict[str, str]]:
+    return [{"name": _shown_name(p.key), "key": p.key, "error": " ".join(p.reason.split())}
+            for p in problems]
 
 
 def _shown_name(key: str) -> str:
@@ -94,13 +97,19 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
 
         return cmd_ls_tiers(args, out)
     with open_repo(args.uri, args) as repo:
-        manifests, errors = load_manifests(repo)
-        use = inspection.usage(manifests)
-        rows: list[dict[str, Any]] = [{
-            "name": m.name, "created": iso_time(m.created), "created_unix": m.created,
-            "parent": m.parent, "metadata": m.metadata, "tensors": len(m.tensors),
-            "logical_bytes": u.logical_bytes, "unique_bytes": u.unique_bytes,
-        } for m, u in zip(manifests, use.checkpoints)]
+        # one parsed manifest at a time: each is summarized, then dropped
+        problems: list[ManifestProblem] = []
+        scan = inspection.UsageScan()
+        rows: list[dict[str, Any]] = []
+        for m in repo.each_manifest(problems):
+            scan.add(m)
+            rows.append({"name": m.name, "created": iso_time(m.created),
+                         "created_unix": m.created, "parent": m.parent, "metadata": m.metadata,
+                         "tensors": len(m.tensors)})
+        errors = _errors_of(problems)
+        use = scan.usage()
+        for r, u in zip(rows, use.checkpoints):
+            r.update(logical_bytes=u.logical_bytes, unique_bytes=u.unique_bytes)
         doc = {"uri": repo.uri, "checkpoints": rows, "errors": errors}
 
         def render(console: Any) -> None:
@@ -232,18 +241,24 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
 # --------------------------------------------------------------------------- du
 def cmd_du(args: argparse.Namespace, out: Output) -> int:
     with open_repo(args.uri, args) as repo:
-        manifests, errors = load_manifests(repo)
+        problems: list[ManifestProblem] = []
+        scan = inspection.UsageScan(live=True)
+        checkpoints = 0
+        for m in repo.each_manifest(problems):  # one parsed manifest at a time
+            scan.add(m)
+            checkpoints += 1
+        errors = _errors_of(problems)
         sizes: dict[str, int] = {}
         for info in repo.store.list(BLOB_PREFIX):
             sizes[info.key.rsplit("/", 1)[-1]] = info.size
         manifest_bytes = sum(i.size for i in repo.store.list(MANIFEST_PREFIX))
-        use = inspection.usage(manifests, sizes)
-        live = inspection.live_bytes(manifests)
+        use = scan.usage(sizes)
+        live = scan.live_bytes
         rows: list[dict[str, Any]] = [{"name": u.name, "logical_bytes": u.logical_bytes,
                  "referenced_bytes": u.referenced_bytes, "unique_bytes": u.unique_bytes,
                  "blobs": u.blobs, "unique_blobs": u.unique_blobs} for u in use.checkpoints]
         totals = {
-            "checkpoints": len(manifests), "logical_bytes": use.logical_bytes,
+            "checkpoints": checkpoints, "logical_bytes": use.logical_bytes,
             "referenced_bytes": use.referenced_bytes, "referenced_blobs": use.referenced_blobs,
             "dedup_ratio": finite(use.dedup_ratio), "blob_bytes": use.blob_bytes,
             "blobs": use.blobs, "unreferenced_blobs": use.unreferenced_blobs,
@@ -260,7 +275,7 @@ def cmd_du(args: argparse.Namespace, out: Output) -> int:
                         human_bytes(r["referenced_bytes"]), human_bytes(r["unique_bytes"])]
                        for r in rows], right=("LOGICAL", "STORED", "FREED IF DELETED"))
             ratio = totals["dedup_ratio"]
-            line(console, f"logical {human_bytes(use.logical_bytes)} in {len(manifests)} "
+            line(console, f"logical {human_bytes(use.logical_bytes)} in {checkpoints} "
                           f"checkpoint(s); stored {human_bytes(use.referenced_bytes)} in "
                           f"{use.referenced_blobs} referenced blob(s); dedup ratio "
                           + (f"{ratio:.2f}x" if ratio is not None else "-"))

@@ -18,7 +18,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -137,8 +137,9 @@ class CheckpointStore:
         """True if a tier (any, for a tiered store) holds the checkpoint's manifest."""
         raise NotImplementedError
 
-    def _manifest_of(self, name: str) -> Manifest:
-        """The manifest of checkpoint `name` (a real name, not "latest")."""
+    def _manifest_of(self, name: str, *, cache: bool = True) -> Manifest:
+        """The manifest of checkpoint `name` (a real name, not "latest"); `cache=False`: not
+        cached once read (a pass over every manifest, see catalog.py)."""
         raise NotImplementedError
 
     def _repair(self, blob: str, good: int, bad: builtins.list[int],
@@ -167,12 +168,25 @@ class CheckpointStore:
         """The manifest of `name`, or None if there is none or it cannot be read (logged)."""
         return find(self.manifest, name)
 
+    def each_manifest(self, problems: builtins.list[ManifestProblem]) -> Iterator[Manifest]:
+        """Every readable manifest in commit order, one at a time; `problems` then has what
+        `problems()` returns. A single store reads each manifest once, when the pass reaches
+        it, and does not cache it (whole-repository commands in memory independent of the
+        number of checkpoints: catalog.scan); this default reads them as `problems()` does."""
+        found = self.problems()
+        problems.extend(found)
+        bad = {p.key for p in found}
+        for name in self.history():
+            if manifest_key(name) not in bad and (m := self.find_manifest(name)) is not None:
+                yield m
+
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every committed checkpoint, in commit order (oldest first: by creation time, then
-        name). Manifests that cannot be read are skipped and logged (see `problems`)."""
+        name). Manifests that cannot be read are skipped and logged (see `problems`). One
+        parsed manifest is held at a time: those read are not cached."""
         infos = []
         for _created, name in self._order():
-            m = self.find_manifest(name)
+            m = find(lambda n: self._manifest_of(n, cache=False), name)
             if m is not None:
                 infos.append(CheckpointInfo(m.name, m.created, m.metadata, m.logical_bytes,
                                             len(m.tensors), m.parent))

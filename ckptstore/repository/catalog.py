@@ -8,8 +8,9 @@ with `{"created":<time>,"format":"ckptstore.manifest"`, and the order is read fr
 96 bytes of each manifest (ranged reads, METADATA_THREADS at a time), once per manifest
 object: a listing whose name, size and modification time are unchanged reuses the time read
 before, so a save in a repository of 500 checkpoints costs one listing, not 500 reads. Only
-the manifests asked for are parsed. `latest` is the newest whole checkpoint in that order,
-never a stored pointer.
+the manifests asked for are parsed; a pass over every manifest (`scan`, and `manifest(name,
+cache=False)` for list, gc) does not cache what it reads, so it holds one parsed manifest at a
+time. `latest` is the newest whole checkpoint in that order, never a stored pointer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError, StoreError
@@ -76,15 +77,24 @@ class Catalog:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ manifests
-    def manifest(self, name: str) -> Manifest:
+    def manifest(self, name: str, *, cache: bool = True) -> Manifest:
         """The parsed, validated manifest of checkpoint `name` (cached). The size cap is
-        checked before the object is read."""
+        checked before the object is read. `cache=False` (a pass over every manifest: list,
+        ls, du, gc) reuses a cached manifest but does not cache the one it reads, so such a
+        pass holds one parsed manifest at a time whatever the number of checkpoints."""
         with self._lock:
             cached = self._manifests.get(name)
-            if cached is not None:
+            if cached is not None and cache:
                 self._manifests.move_to_end(name)
         if cached is not None:
             return cached
+        manifest = self._read(name)
+        if cache:
+            self.remember(manifest)
+        return manifest
+
+    def _read(self, name: str) -> Manifest:
+        """Read, parse and validate the manifest of `name` from the store (not cached)."""
         key = manifest_key(name)
         try:
             size = self.store.stat(key).size
@@ -97,11 +107,9 @@ class Catalog:
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.store.uri}"
                                           ) from None
         try:
-            manifest = parse_manifest(raw, name, self.hash)
+            return parse_manifest(raw, name, self.hash)
         except FormatError as exc:
             raise FormatError(f"checkpoint {name!r} in {self.store.uri}: {exc}") from None
-        self.remember(manifest)
-        return manifest
 
     def find_manifest(self, name: str) -> Manifest | None:
         """The manifest of `name`, or None if there is none or it cannot be read (logged)."""
@@ -164,6 +172,34 @@ class Catalog:
                 if error is not None:
                     problems.append(ManifestProblem(manifest_key(name), error))
         return sorted(problems, key=lambda p: p.key)
+
+    def scan(self, problems: list[ManifestProblem]) -> Iterator[Manifest]:
+        """Every readable manifest in commit order, each read when the pass reaches it and
+        not cached: the pass holds one parsed manifest at a time, whatever the number of
+        checkpoints. Once it is over, `problems` has what `problems()` finds (every object
+        under checkpoints/ that is not a readable manifest, sorted by key); each manifest is
+        read once, for both."""
+        found: list[ManifestProblem] = []
+        listed = self.listing(found)
+        ordered = set()
+        for _created, name in self.order():
+            ordered.add(name)
+            manifest = self._scanned(name, found)
+            if manifest is not None:
+                yield manifest
+        for name in listed:
+            if name not in ordered:  # a head that cannot be read: is the rest readable?
+                self._scanned(name, found)
+        problems.extend(sorted(found, key=lambda p: p.key))
+
+    def _scanned(self, name: str, found: list[ManifestProblem]) -> Manifest | None:
+        try:
+            return self.manifest(name, cache=False)
+        except CheckpointNotFoundError:
+            return None  # deleted meanwhile
+        except FormatError as exc:
+            found.append(ManifestProblem(manifest_key(name), str(exc)))
+            return None
 
     def _manifest_error(self, name: str) -> str | None:
         try:

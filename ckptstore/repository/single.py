@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -148,8 +148,8 @@ class SingleStore(CheckpointStore, kind="single"):
         return not isinstance(self.store, FarTier) or self.store.reachable
 
     # ------------------------------------------------------------------ catalog
-    def _manifest_of(self, name: str) -> Manifest:
-        return self.catalog.manifest(name)
+    def _manifest_of(self, name: str, *, cache: bool = True) -> Manifest:
+        return self.catalog.manifest(name, cache=cache)
 
     def names(self) -> builtins.list[str]:
         return list(self.catalog.listing())
@@ -167,6 +167,9 @@ class SingleStore(CheckpointStore, kind="single"):
         """Every object under checkpoints/ that is not a readable manifest, and why (reads
         every manifest)."""
         return self.catalog.problems()
+
+    def each_manifest(self, problems: builtins.list[ManifestProblem]) -> Iterator[Manifest]:
+        return self.catalog.scan(problems)
 
     def known_created(self) -> dict[str, float]:
         seen = self.catalog.known_created()
@@ -438,22 +441,37 @@ class SingleStore(CheckpointStore, kind="single"):
         return checks.verify(self.store, [self.manifest(name)], self.hash, sample=sample)
 
     def referenced_blobs(self) -> set[str]:
+        return self._references(set())
+
+    def _references(self, seen: set[str]) -> set[str]:
+        """The blobs of every checkpoint not in `seen` (its names are added to it), one
+        parsed manifest at a time (not cached)."""
         refs: set[str] = set()
         for name in self.names():
+            if name in seen:
+                continue
             try:
-                refs |= self.catalog.manifest(name).blob_digests()
+                refs |= self.catalog.manifest(name, cache=False).blob_digests()
             except CheckpointNotFoundError:
                 continue  # deleted meanwhile: its blobs may go
             except CkptStoreError as exc:
                 raise CkptStoreError(f"gc stopped, nothing deleted: {exc}") from exc
+            seen.add(name)
         return refs
 
     def gc(self, grace_seconds: float = 3600.0, dry_run: bool = False, *, wait: float = 0.0,
            now: float | None = None) -> checks.GcReport:
+        # gc asks twice and keeps the union: the second look reads only the checkpoints
+        # committed since the first (a manifest never changes once committed)
+        seen: set[str] = set()
+
+        def referenced() -> set[str]:
+            return self._references(seen)
+
         if dry_run:
-            return checks.gc(self.store, self.referenced_blobs, grace_seconds, True, now)
+            return checks.gc(self.store, referenced, grace_seconds, True, now)
         with leases.gc_lease(self.store, wait=wait):
-            return checks.gc(self.store, self.referenced_blobs, grace_seconds, False, now)
+            return checks.gc(self.store, referenced, grace_seconds, False, now)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, *, wait_replication: bool = True) -> None:

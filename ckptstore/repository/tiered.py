@@ -148,7 +148,7 @@ class TieredStore(CheckpointStore, kind="tiered"):
         return out
 
     # ------------------------------------------------------------------ catalog
-    def _manifest_of(self, name: str) -> Manifest:
+    def _manifest_of(self, name: str, *, cache: bool = True) -> Manifest:
         """The manifest from the nearest tier with a readable one (an unreadable near copy
         is logged and skipped)."""
         damaged: FormatError | None = None
@@ -157,7 +157,7 @@ class TieredStore(CheckpointStore, kind="tiered"):
             try:
                 if i and not tier.reachable:
                     raise TierUnreachableError(f"tier {tier.uri} is unreachable")
-                return tier.manifest(name)
+                return tier._manifest_of(name, cache=cache)
             except CheckpointNotFoundError:
                 continue
             except TierUnreachableError as exc:
@@ -294,8 +294,8 @@ class TieredStore(CheckpointStore, kind="tiered"):
     def referenced_blobs(self) -> set[str]:
         refs: set[str] = set()
         for name in self.names():
-            try:
-                refs |= self.manifest(name).blob_digests()
+            try:  # one parsed manifest at a time: not cached
+                refs |= self._manifest_of(name, cache=False).blob_digests()
             except CheckpointNotFoundError:
                 continue
             except CkptStoreError as exc:

@@ -9,6 +9,8 @@
   references: what deleting it (and then running gc) frees.
 * Diffs compare raw-content digests only (no tensor data is read), so a change of codec is not
   a change; tensors chunked differently cannot be compared by digest and count as changed.
+* Space accounting (`usage`, `live_bytes`) also takes manifests one at a time (`UsageScan`):
+  `ckpt ls` and `du` stream a repository's manifests through it, one parsed at a time.
 """
 
 from __future__ import annotations
@@ -139,8 +141,10 @@ def blob_extents(manifests: Iterable[Manifest]) -> dict[str, int]:
 def live_bytes(manifests: Iterable[Manifest]) -> int:
     """Stored bytes of the distinct chunks these manifests reference (a byte range of a pack
     counts, not the whole pack): what the checkpoints need, against what their blobs hold."""
-    ranges = {(c.blob, c.offset, c.size) for m in manifests for t in m.tensors for c in t.chunks}
-    return sum(size for _blob, _offset, size in ranges)
+    scan = UsageScan(live=True)
+    for m in manifests:
+        scan.add(m)
+    return scan.live_bytes
 
 
 @dataclass(frozen=True)
@@ -174,38 +178,80 @@ class StoreUsage:
         return self.logical_bytes / self.referenced_bytes
 
 
+class UsageScan:
+    """`usage` and `live_bytes` over manifests given one at a time (`add`), so that a pass
+    over a repository holds one parsed manifest at a time: of each checkpoint it keeps its
+    name, logical bytes and the blobs it references; over all, the furthest byte any chunk
+    uses in each blob and (`live`) the distinct chunk ranges. Digests are interned: a blob
+    many checkpoints share is one string."""
+
+    def __init__(self, *, live: bool = False) -> None:
+        self._rows: list[tuple[str, int, frozenset[str]]] = []
+        self._extents: dict[str, int] = {}
+        self._interned: dict[str, str] = {}
+        self._ranges: set[tuple[str, int, int]] | None = set() if live else None
+
+    def add(self, manifest: Manifest) -> None:
+        ext, interned, ranges = self._extents, self._interned, self._ranges
+        blobs: set[str] = set()
+        for t in manifest.tensors:
+            for c in t.chunks:
+                blob = interned.setdefault(c.blob, c.blob)
+                blobs.add(blob)
+                end = c.offset + c.size
+                if end > ext.get(blob, -1):
+                    ext[blob] = end
+                if ranges is not None:
+                    ranges.add((blob, c.offset, c.size))
+        self._rows.append((manifest.name, manifest.logical_bytes, frozenset(blobs)))
+
+    @property
+    def live_bytes(self) -> int:
+        """See `live_bytes` (needs `live=True`)."""
+        if self._ranges is None:
+            raise ValueError("UsageScan(live=True) keeps the chunk ranges live_bytes needs")
+        return sum(size for _blob, _offset, size in self._ranges)
+
+    def usage(self, blob_sizes: Mapping[str, int] | None = None) -> StoreUsage:
+        """See `usage`."""
+        sizes = dict(self._extents)
+        missing: list[str] = []
+        if blob_sizes is not None:
+            missing = sorted(b for b in sizes if b not in blob_sizes)
+            sizes.update({b: blob_sizes[b] for b in sizes if b in blob_sizes})
+        refcount: Counter[str] = Counter()
+        for _name, _logical, blobs in self._rows:
+            refcount.update(blobs)
+        rows = []
+        for name, logical, blobs in self._rows:
+            unique = [b for b in blobs if refcount[b] == 1]
+            rows.append(CheckpointUsage(
+                name=name, logical_bytes=logical,
+                referenced_bytes=sum(sizes[b] for b in blobs),
+                unique_bytes=sum(sizes[b] for b in unique),
+                blobs=len(blobs), unique_blobs=len(unique)))
+        referenced = set(refcount)
+        result = StoreUsage(
+            checkpoints=tuple(rows), logical_bytes=sum(r[1] for r in self._rows),
+            referenced_bytes=sum(sizes[b] for b in referenced),
+            referenced_blobs=len(referenced))
+        if blob_sizes is None:
+            return result
+        unref = [b for b in blob_sizes if b not in referenced]
+        return StoreUsage(
+            checkpoints=result.checkpoints, logical_bytes=result.logical_bytes,
+            referenced_bytes=result.referenced_bytes, referenced_blobs=result.referenced_blobs,
+            blob_bytes=sum(blob_sizes.values()), blobs=len(blob_sizes),
+            unreferenced_blobs=len(unref), unreferenced_bytes=sum(blob_sizes[b] for b in unref),
+            missing_blobs=tuple(missing))
+
+
 def usage(manifests: list[Manifest], blob_sizes: Mapping[str, int] | None = None) -> StoreUsage:
     """Space accounting over a repository's manifests (see the module docstring)."""
-    sizes: dict[str, int] = blob_extents(manifests)
-    missing: list[str] = []
-    if blob_sizes is not None:
-        missing = sorted(b for b in sizes if b not in blob_sizes)
-        sizes.update({b: blob_sizes[b] for b in sizes if b in blob_sizes})
-    per = [m.blob_digests() for m in manifests]
-    refcount: Counter[str] = Counter()
-    for blobs in per:
-        refcount.update(blobs)
-    rows = []
-    for m, blobs in zip(manifests, per):
-        unique = [b for b in blobs if refcount[b] == 1]
-        rows.append(CheckpointUsage(
-            name=m.name, logical_bytes=m.logical_bytes,
-            referenced_bytes=sum(sizes[b] for b in blobs),
-            unique_bytes=sum(sizes[b] for b in unique),
-            blobs=len(blobs), unique_blobs=len(unique)))
-    referenced = set(refcount)
-    result = StoreUsage(
-        checkpoints=tuple(rows), logical_bytes=sum(m.logical_bytes for m in manifests),
-        referenced_bytes=sum(sizes[b] for b in referenced), referenced_blobs=len(referenced))
-    if blob_sizes is None:
-        return result
-    unref = [b for b in blob_sizes if b not in referenced]
-    return StoreUsage(
-        checkpoints=result.checkpoints, logical_bytes=result.logical_bytes,
-        referenced_bytes=result.referenced_bytes, referenced_blobs=result.referenced_blobs,
-        blob_bytes=sum(blob_sizes.values()), blobs=len(blob_sizes),
-        unreferenced_blobs=len(unref), unreferenced_bytes=sum(blob_sizes[b] for b in unref),
-        missing_blobs=tuple(missing))
+    scan = UsageScan()
+    for m in manifests:
+        scan.add(m)
+    return scan.usage(blob_sizes)
 
 
 def stored_bytes(manifest: Manifest) -> int:
