@@ -24,7 +24,8 @@ machine still shares them). Heal time = recv_checkpoint plus applying the result
 load_state_dict), the sender's send_checkpoint and the receiver's recv_checkpoint starting
 together, as after a quorum. Bytes sent = what the
 sender put on the wire for that heal (ours: the server's count; HTTP: the length of its
-streamed torch.save; PG: its pickled metadata plus the storages). Sender stall = what the
+streamed torch.save; PG: every tensor it sends through the process group, counted by a
+wrapper: its length word, its serialized metadata and the storages). Sender stall = what the
 sender's training thread lost while serving (steps of one 1-thread MLP update run all along
 on the sender, beside its server, as torchft's Manager runs send_checkpoint on its quorum
 thread): the extra time of the steps that ran during the heal over the median step before
@@ -149,6 +150,23 @@ def send_line(doc: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+class CountingPG:
+    """A process group that counts the bytes of every tensor sent through it: what
+    PGTransport puts on the wire (the length, its serialized metadata, the tensors), counted
+    as sent, without this bench serializing anything itself."""
+
+    def __init__(self, pg: Any) -> None:
+        self._pg = pg
+        self.sent = 0
+
+    def send(self, tensors: list[Any], *args: Any, **kwargs: Any) -> Any:
+        self.sent += sum(int(t.nbytes) for t in tensors)
+        return self._pg.send(tensors, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pg, name)
+
+
 class LazyPG:
     """The gloo group of the PG contestant, set up in the background at start (both sides
     must join it together)."""
@@ -204,7 +222,7 @@ def sender_main(spec: dict[str, Any]) -> None:
     from torch.utils._pytree import tree_flatten
     from torchft.checkpointing._serialization import _streaming_save
     from torchft.checkpointing.http_transport import HTTPTransport, _split_chunks
-    from torchft.checkpointing.pg_transport import PGTransport, _prepare_state_dict
+    from torchft.checkpointing.pg_transport import PGTransport
 
     from ckptstore.torchft import Transport
 
@@ -259,7 +277,8 @@ def sender_main(spec: dict[str, Any]) -> None:
             elif name.startswith("http"):
                 transports[name] = HTTPTransport(TIMEOUT, num_chunks=int(name[5:] or 0))
             else:
-                transports[name] = PGTransport(group.get(), TIMEOUT, torch.device("cpu"))
+                transports[name] = PGTransport(CountingPG(group.get()), TIMEOUT,
+                                               torch.device("cpu"))
         return transports[name]
 
     def wire_bytes(name: str) -> int:
@@ -288,10 +307,8 @@ def sender_main(spec: dict[str, Any]) -> None:
                 _streaming_save(part, c)  # type: ignore[arg-type]
                 total += c.n
             return total
-        import pickle  # what PGTransport sends: its pickled metadata (the bench only counts it)
-
-        meta, tensors = _prepare_state_dict(state, 1, torch.device("cpu"))
-        return 8 + len(pickle.dumps(meta)) + sum(t.nbytes for t in tensors)
+        sent_by_pg: int = transports[name]._pg.sent  # torchft serializes its metadata itself
+        return sent_by_pg
 
     threading.Thread(target=train, daemon=True).start()
     training.set()
@@ -311,7 +328,8 @@ def sender_main(spec: dict[str, Any]) -> None:
                 paused.wait()
             name = cmd["transport"]
             current["transport"] = transport(name)
-            current["before"] = int(transports[name].bytes_served) if name == "ours" else 0
+            current["before"] = (int(transports[name].bytes_served) if name == "ours"
+                                 else transports[name]._pg.sent if name == "pg" else 0)
             send_line({"ready": True})
         elif cmd["cmd"] == "send":
             current["sent_at"] = time.monotonic()
