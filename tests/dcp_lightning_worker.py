@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 import re
-import traceback
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from .dist_worker import reporting
 
 STEPS = 4
 
@@ -133,8 +134,7 @@ def lightning_worker(rank: int, world: int, port: int, root: str, out_dir: str) 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),
                        "NODE_RANK": "0"})
-    text = "(interrupted)"
-    try:
+    with reporting(os.path.join(out_dir, f"rank-{rank}")):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         torch.manual_seed(0)
@@ -173,16 +173,3 @@ def lightning_worker(rank: int, world: int, port: int, root: str, out_dir: str) 
             files = sorted(p.name for p in stock_dir.iterdir())
             with open(os.path.join(out_dir, "stock.txt"), "w") as f:
                 f.write(f"{refused}\n" + "\n".join(files))
-        text = "ok"
-    except BaseException:
-        text = traceback.format_exc()
-        raise
-    finally:
-        with open(os.path.join(out_dir, f"rank-{rank}"), "w") as f:
-            f.write(text)
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            if text == "ok":
-                dist.barrier()
-            dist.destroy_process_group()

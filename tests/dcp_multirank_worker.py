@@ -7,7 +7,6 @@ the full arrays the test compares (`np.savez`, no pickle)."""
 from __future__ import annotations
 
 import os
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .dist_worker import leave_process_group
+from .dist_worker import reporting
 
 #: Linear(16, 30): 30 rows split 8/8/8/6 on 4 ranks, 15/15 on 2, 10/10/10 on 3
 HIDDEN = 30
@@ -26,11 +25,6 @@ EXTRAS = {"a": ((12, 10), ("S0", "S1"), ("S1",)),
           "b": ((9, 14), ("S1", "S0"), ("S0",)),
           "c": ((10,), ("R", "S0"), ("R",)),
           "d": ((7, 6), ("S0", "R"), ("S0",))}
-
-
-def _report(out_dir: str, rank: int, text: str) -> None:
-    with open(os.path.join(out_dir, f"rank-{rank}"), "w") as f:
-        f.write(text)
 
 
 def _init(rank: int, world: int, init_file: str) -> None:
@@ -235,16 +229,10 @@ def worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
            parts: list[tuple[str, str]]) -> None:
     """Run `PARTS[name](..., mode)` for each (name, mode) of `parts`, in order, on one
     gloo group of `world` ranks (one spawn for the 4-rank saves of both tests)."""
-    try:
+    with reporting(os.path.join(out_dir, f"rank-{rank}")):
         _init(rank, world, init_file)
         for name, mode in parts:
             PARTS[name](rank, world, root, out_dir, mode)
-        _report(out_dir, rank, "ok")
-    except BaseException:
-        _report(out_dir, rank, traceback.format_exc())
-        raise
-    finally:
-        leave_process_group()
 
 
 # ------------------------------------------------------- (c) async_save, process executor
@@ -256,7 +244,7 @@ def async_process_worker(rank: int, world: int, init_file: str, root: str,
     staged a copy): the checkpoint holds the values at the call. A second process-executor
     save (the same background process, another writer) of the changed state, then both are
     loaded back on these ranks."""
-    try:
+    with reporting(os.path.join(out_dir, f"rank-{rank}")):
         _init(rank, world, init_file)
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -300,9 +288,3 @@ def async_process_worker(rank: int, world: int, init_file: str, root: str,
             np.savez(os.path.join(out_dir, "truth-2.npz"), **second)
             np.savez(os.path.join(out_dir, "proc-1.npz"), **got["proc-1"][0])
             np.savez(os.path.join(out_dir, "proc-2.npz"), **got["proc-2"][0])
-        _report(out_dir, rank, "ok")
-    except BaseException:
-        _report(out_dir, rank, traceback.format_exc())
-        raise
-    finally:
-        leave_process_group()

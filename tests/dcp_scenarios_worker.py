@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .dist_worker import leave_process_group
+from .dist_worker import reporting
 
 ROWS, COLS = 10, 20
 VECTOR = 32
@@ -258,8 +258,7 @@ def scenarios_worker(rank: int, world: int, init_file: str, root: str, out_dir: 
     from torch.distributed.checkpoint.api import CheckpointException
 
     results: dict[str, str] = {}
-    text = "(interrupted)"
-    try:
+    with reporting(os.path.join(out_dir, f"rank-{rank}")):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=90))
         for name, fn in SCENARIOS.items():
@@ -271,11 +270,3 @@ def scenarios_worker(rank: int, world: int, init_file: str, root: str, out_dir: 
                 results[name] = traceback.format_exc()
         with open(os.path.join(out_dir, f"results-{rank}.json"), "w") as f:
             json.dump(results, f)
-        text = "ok"
-    except BaseException:
-        text = traceback.format_exc()
-        raise
-    finally:
-        with open(os.path.join(out_dir, f"rank-{rank}"), "w") as f:
-            f.write(text)
-        leave_process_group()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 from typing import Any
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch.distributed as dist
 
 from ckptstore.stores import LocalStore
 
-from .dist_worker import leave_process_group
+from .dist_worker import reporting
 
 STEPS = 2
 COLS_SHAPE = (12, 10)
@@ -78,11 +77,6 @@ def _savez(path: str, arrays: dict[str, Any]) -> None:
     np.savez(path, **arrays)
 
 
-def _report(out_dir: str, rank: int, text: str) -> None:
-    with open(os.path.join(out_dir, f"dcp-{rank}"), "w") as f:
-        f.write(text)
-
-
 def fsdp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
                 mode: str) -> None:
     """mode "save" (2 ranks): train, then dcp.save / async_save (thread) / async_save
@@ -90,7 +84,7 @@ def fsdp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
     mode "reshard" (3 ranks): load the 2-rank checkpoint (DCP resharding: uneven FSDP2
     shards, and Shard(1) columns into Shard(0) rows), train one step, save on 3 ranks.
     mode "one" (1 rank): load the 3-rank checkpoint, async_save with both executors."""
-    try:
+    with reporting(os.path.join(out_dir, f"dcp-{rank}")):
         os.environ["MASTER_ADDR"] = "127.0.0.1"  # DCP's process executor's own group
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world)
@@ -178,12 +172,6 @@ def fsdp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
             if rank == 0:
                 _savez(os.path.join(out_dir, "loaded.npz"), loaded)
                 _savez(os.path.join(out_dir, "final.npz"), final)
-        _report(out_dir, rank, "ok")
-    except BaseException:
-        _report(out_dir, rank, traceback.format_exc())
-        raise
-    finally:
-        leave_process_group()
 
 
 class SlowStore(LocalStore):

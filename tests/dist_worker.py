@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,16 +34,34 @@ def _init(rank: int, world: int, init_file: str) -> None:
                             world_size=world)
 
 
-def leave_process_group() -> None:
-    """Destroy the default group (call in a worker's `finally`). When the worker succeeded,
-    wait at a barrier first until every rank is done with the group: a rank that closes its
-    sockets while a peer still uses them can make gloo abort that peer at exit ("terminate
-    called without an active exception"). After a failure, the others may never arrive."""
+def leave_process_group(succeeded: bool | None = None) -> None:
+    """Destroy the default group (call in a worker's `finally`). When the worker succeeded
+    (default: no exception is being handled), wait at a barrier first until every rank is
+    done with the group: a rank that closes its sockets while a peer still uses them can
+    make gloo abort that peer at exit ("terminate called without an active exception").
+    After a failure, the others may never arrive."""
     if not dist.is_initialized():
         return
-    if sys.exc_info()[0] is None:
+    if succeeded if succeeded is not None else sys.exc_info()[0] is None:
         dist.barrier()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def reporting(path: str) -> Iterator[None]:
+    """The body of one spawned rank (tests.helpers.spawn_ranks reads its report): "ok" is
+    written to `path` when the body ends, its traceback when it raises (then re-raised), and
+    the process group is left either way (leave_process_group)."""
+    text = "(interrupted)"
+    try:
+        yield
+        text = "ok"
+    except BaseException:
+        text = traceback.format_exc()
+        raise
+    finally:
+        Path(path).write_text(text)
+        leave_process_group(succeeded=text == "ok")
 
 
 def _dtensor(full: torch.Tensor, world: int):
