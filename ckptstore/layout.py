@@ -14,8 +14,12 @@ layout idea). Every other module builds keys through here; docs/format.md is its
 
 from __future__ import annotations
 
-from .format.hashing import check_digest, is_digest
+from typing import Protocol
+
+from .errors import FormatError, ObjectNotFoundError
+from .format.hashing import HashAlgorithm, check_digest, is_digest
 from .format.names import validate_name
+from .format.segments import SegmentSource, store_segments
 
 MARKER_KEY = "ckptstore.json"
 BLOB_PREFIX = "blobs/"
@@ -37,6 +41,21 @@ def blob_of_key(key: str) -> str | None:
     """The digest a key names if it is exactly a blob key, else None (foreign objects)."""
     digest = key.rsplit("/", 1)[-1]
     return digest if is_digest(digest) and key == blob_key(digest) else None
+
+
+class _Gets(Protocol):
+    def get(self, key: str) -> bytes: ...
+
+
+def segments_in(store: _Gets, algorithm: HashAlgorithm) -> SegmentSource:
+    """The index segments of version-3 manifests, read from `store` as the blobs they are
+    (FormatError if one is missing or does not match its digest)."""
+    def get(digest: str) -> bytes:
+        try:
+            return store.get(blob_key(digest))
+        except ObjectNotFoundError:
+            raise FormatError(f"index segment {digest} is missing") from None
+    return store_segments(get, algorithm)
 
 
 def manifest_key(name: str) -> str:

@@ -17,6 +17,7 @@ from ..format.codecs import parse_codec
 from ..format.dtypes import by_name
 from ..format.manifest import Manifest, TensorEntry, entry_problem
 from ..format.manifest_parse import check_tree
+from ..format.segments import version_for
 from ..layout import blob_key
 from ..maintenance.leases import Lease
 from ..pipeline.commit import SaveRequest
@@ -222,7 +223,8 @@ class DcpCommitter:
     def commit(self, writer: CheckpointWriter, request: SaveRequest) -> Manifest:
         manifest = Manifest(name=request.name, created=writer.creation_time(),
                             metadata=request.metadata, tree=self.tree, tensors=self.entries,
-                            parent=request.parent, hash=writer.options.hash.name)
+                            parent=request.parent, hash=writer.options.hash.name,
+                            version=version_for(self.entries))
         if self.lease is not None:
             self.lease.check()
             if self.lease.sweep_may_have_run():

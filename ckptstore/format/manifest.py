@@ -25,12 +25,16 @@ from .canonical import canonical_str, seal
 from .codecs import Codec
 from .dtypes import DTYPES, DType
 from .hashing import HASH_NAME, hash_algorithm
+from .segment_encoding import SegmentRef, segment_blobs
 
 _json_str = json.encoder.encode_basestring  # json.dumps' string writer (ensure_ascii=False)
 FORMAT_NAME = "ckptstore.manifest"
 #: Version 2 = version 1 + a self-digest (canonical.seal) as the last field.
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: Version 3 = version 2 with the tensor entries moved into index segments (segments.py): what
+#: large manifests are written as (segments.is_segmented).
+SEGMENTED_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_TREE_DEPTH = 256
 MAX_DIMS = 64
@@ -226,13 +230,14 @@ def chunk_region(shape: tuple[int, ...], block: tuple[int, ...], index: int
 @dataclass(frozen=True)
 class Manifest:
     """A committed checkpoint. `tree` is the typed state tree (see tree.py); tensor leaves point
-    into `tensors` by index."""
+    into `tensors` by index. `tensors` is a tuple, or for a version-3 manifest read from a
+    store a `segments.SegmentedEntries` that reads its index segments as they are used."""
 
     name: str
     created: float  # POSIX seconds, UTC
     metadata: dict[str, Any]
     tree: Any
-    tensors: tuple[TensorEntry, ...]
+    tensors: Sequence[TensorEntry]
     parent: str | None = None
     version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
@@ -240,10 +245,32 @@ class Manifest:
 
     @property
     def logical_bytes(self) -> int:
+        if self.version >= SEGMENTED_VERSION:  # from the root alone
+            return sum(r.nbytes for r in self.segment_refs())
         return sum(t.nbytes for t in self.tensors)
 
     def blob_digests(self) -> set[str]:
-        return {c.blob for t in self.tensors for c in t.chunks}
+        """Every blob the checkpoint needs: its chunks' and (version 3) its index segments'."""
+        blobs = {c.blob for t in self.tensors for c in t.chunks}
+        return blobs | {r.digest for r in self.segment_refs()}
+
+    def segment_refs(self) -> list[SegmentRef]:
+        """The index segments of a version-3 manifest, in order ([] for earlier versions)."""
+        if self.version < SEGMENTED_VERSION:
+            return []
+        refs = getattr(self.tensors, "refs", None)
+        if refs is not None:  # read from a store: as its root lists them
+            return list(refs)
+        return [ref for ref, _data in self.segment_blobs()]
+
+    def segment_blobs(self) -> list[tuple[SegmentRef, bytes]]:
+        """Version 3, entries in memory (a writer's manifest): each index segment and its
+        bytes, computed once. FormatError if a segment would be too large."""
+        blobs = self.__dict__.get("_segment_blobs")
+        if blobs is None:
+            blobs = segment_blobs(self.tensors, hash_algorithm(self.hash))
+            object.__setattr__(self, "_segment_blobs", blobs)
+        return blobs
 
     def to_bytes(self) -> bytes:
         with paused_collector():
@@ -251,15 +278,20 @@ class Manifest:
 
     def _to_bytes(self) -> bytes:
         """canonical_json of the whole document, assembled from three parts (the keys sort as
-        head < "tensors" < tail) so that each tensor entry can be written by `_entry_json`,
-        then sealed (version 2; a version-1 manifest is written unsealed, as it was)."""
+        head < "segments" < "tensors" < tail) so that each tensor entry can be written by
+        `_entry_json`, then sealed (versions 2 and 3; a version-1 manifest is written
+        unsealed, as it was). Version 3 lists its index segments instead of the entries."""
         head = canonical_str({
             "created": self.created, "format": FORMAT_NAME, "hash": self.hash,
             "metadata": self.metadata, "name": self.name, "parent": self.parent})
         tail = canonical_str({"tree": self.tree, "version": self.version})
-        tensors = ",".join(_entry_json(t) if ok else canonical_str(t.to_json())
-                           for t, ok in zip(self.tensors, self.entries_ok()))
-        body = f'{head[:-1]},"tensors":[{tensors}],{tail[1:]}'.encode()
+        if self.version >= SEGMENTED_VERSION:
+            middle = canonical_str({"segments": [r.to_json() for r in self.segment_refs()]})
+            body = f'{head[:-1]},{middle[1:-1]},{tail[1:]}'.encode()
+        else:
+            tensors = ",".join(_entry_json(t) if ok else canonical_str(t.to_json())
+                               for t, ok in zip(self.tensors, self.entries_ok()))
+            body = f'{head[:-1]},"tensors":[{tensors}],{tail[1:]}'.encode()
         return seal(body, hash_algorithm(self.hash).digest) if self.version >= 2 else body
 
     def entries_ok(self) -> list[bool]:

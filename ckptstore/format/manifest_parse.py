@@ -16,13 +16,14 @@ from ..errors import FormatError
 from .canonical import SEAL_FIELD, check_seal, is_sealed
 from .codecs import parse_codec
 from .dtypes import DTYPES, by_name
-from .hashing import ALGORITHMS, XXH3_128, HashAlgorithm, hash_algorithm
+from .hashing import ALGORITHMS, XXH3_128, HashAlgorithm, hash_algorithm, is_digest
 from .manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_MANIFEST_BYTES,
     MAX_TREE_DEPTH,
     READABLE_VERSIONS,
+    SEGMENTED_VERSION,
     ChunkRef,
     Manifest,
     StorageRef,
@@ -31,6 +32,8 @@ from .manifest import (
     entry_problem,
 )
 from .names import validate_name
+from .segment_encoding import SegmentRef
+from .segments import MAX_SEGMENT_BYTES, SegmentedEntries, SegmentSource
 
 # Two parsers, one set of rules (`entry_problem`). The fast path `_fast_tensor` accepts a tensor
 # entry only in exactly the form `to_json` writes and only if `entry_problem` finds nothing;
@@ -250,15 +253,20 @@ def check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
 
 
 def parse_manifest(data: bytes, expected_name: str | None = None,
-                   algorithm: HashAlgorithm = XXH3_128) -> Manifest:
+                   algorithm: HashAlgorithm = XXH3_128,
+                   segments: SegmentSource | None = None) -> Manifest:
     """Parse and validate untrusted manifest bytes of a repository whose hash algorithm is
-    `algorithm` (the manifest must name the same). Raises FormatError on anything wrong."""
+    `algorithm` (the manifest must name the same). Raises FormatError on anything wrong.
+
+    Version 3 (a root): the root is validated here; its tensors are a SegmentedEntries that
+    reads each index segment through `segments` when first used and validates it then
+    (None: only the root can be used, e.g. to check one before its blobs arrive)."""
     with paused_collector():
-        return _parse_manifest(data, expected_name, algorithm)
+        return _parse_manifest(data, expected_name, algorithm, segments)
 
 
-def _parse_manifest(data: bytes, expected_name: str | None,
-                    algorithm: HashAlgorithm) -> Manifest:
+def _parse_manifest(data: bytes, expected_name: str | None, algorithm: HashAlgorithm,
+                    segments: SegmentSource | None) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes")
     sealed = is_sealed(data)
@@ -268,11 +276,11 @@ def _parse_manifest(data: bytes, expected_name: str | None,
         doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"manifest is not valid JSON: {exc}") from None
-    d = _dict(doc, "manifest", {"format", "version", "hash", "name", "created", "parent",
-                                "metadata", "tree", "tensors"}, {SEAL_FIELD})
+    version = doc.get("version") if isinstance(doc, dict) else None
+    body = "segments" if type(version) is int and version >= SEGMENTED_VERSION else "tensors"
+    d = _dict(doc, "manifest", _ROOT_FIELDS | {body}, {SEAL_FIELD})
     if d["format"] != FORMAT_NAME:
         raise FormatError(f"not a ckptstore manifest (format {d['format']!r:.40})")
-    version = d["version"]
     if type(version) is not int or version not in READABLE_VERSIONS:
         raise FormatError(f"unsupported manifest version {version!r:.40}; this ckptstore "
                           f"reads versions {list(READABLE_VERSIONS)}")
@@ -296,7 +304,12 @@ def _parse_manifest(data: bytes, expected_name: str | None,
         raise FormatError(f"manifest created time {created!r:.40} is invalid")
     if not isinstance(d["metadata"], dict):
         raise FormatError("manifest metadata must be an object")
-    tensors = _parse_tensors(_list(d["tensors"], "tensors"))
+    tensors: tuple[TensorEntry, ...] | SegmentedEntries
+    if version >= SEGMENTED_VERSION:
+        tensors = SegmentedEntries(_parse_segment_refs(d["segments"]), segments,
+                                   f"checkpoint {name!r}")
+    else:
+        tensors = _parse_tensors(_list(d["tensors"], "tensors"))
     try:
         check_tree(d["tree"], len(tensors))
     except RecursionError:
@@ -305,19 +318,39 @@ def _parse_manifest(data: bytes, expected_name: str | None,
                     tensors=tensors, parent=parent, version=version, hash=algorithm.name)
 
 
+_ROOT_FIELDS = frozenset({"format", "version", "hash", "name", "created", "parent", "metadata",
+                          "tree"})
+_SEGMENT_FIELDS = frozenset({"digest", "nbytes", "size", "tensors"})
+
+
+def _parse_segment_refs(docs: Any) -> list[SegmentRef]:
+    refs = []
+    for i, doc in enumerate(_list(docs, "segments")):
+        where = f"segments[{i}]"
+        d = _dict(doc, where, _SEGMENT_FIELDS)
+        digest = d["digest"]
+        if not is_digest(digest):
+            raise _fail(where, f"{digest!r:.40} is not a hex digest")
+        refs.append(SegmentRef(digest, _int(d["size"], f"{where}.size", 1, MAX_SEGMENT_BYTES),
+                               _int(d["tensors"], f"{where}.tensors", 1),
+                               _int(d["nbytes"], f"{where}.nbytes")))
+    return refs
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed in a manifest")
 
 
 # ------------------------------------------------------------ a writer's own Manifest
-def committed_manifest(manifest: Manifest, data: bytes, expected_name: str) -> Manifest:
-    """What `parse_manifest(data, expected_name)` returns, given `data == manifest.to_bytes()`
-    (the bytes a writer committed for `manifest`): `manifest` itself when
-    `parses_back_equal` proves the parse would equal it, else the parse of `data` (FormatError
-    if `data` is invalid). Saves the re-parse of a manifest just written."""
+def committed_manifest(manifest: Manifest, data: bytes, expected_name: str,
+                       segments: SegmentSource | None = None) -> Manifest:
+    """What `parse_manifest(data, expected_name, segments=segments)` returns, given
+    `data == manifest.to_bytes()` (the bytes a writer committed for `manifest`): `manifest`
+    itself when `parses_back_equal` proves the parse would equal it, else the parse of `data`
+    (FormatError if `data` is invalid). Saves the re-parse of a manifest just written."""
     if len(data) <= MAX_MANIFEST_BYTES and parses_back_equal(manifest, expected_name):
         return manifest
-    return parse_manifest(data, expected_name, hash_algorithm(manifest.hash))
+    return parse_manifest(data, expected_name, hash_algorithm(manifest.hash), segments)
 
 
 def parses_back_equal(m: Manifest, expected_name: str | None = None) -> bool:
@@ -325,7 +358,7 @@ def parses_back_equal(m: Manifest, expected_name: str | None = None) -> bool:
     Manifest equal to `m` with the same types and dict order in every field: `m` passes every
     check parsing makes and holds only what `json.loads` produces. Assumes `m.to_bytes()`
     succeeds (no cycles, NaN or unencodable strings) and is at most MAX_MANIFEST_BYTES."""
-    if (type(m.version) is not int or m.version != FORMAT_VERSION
+    if (type(m.version) is not int or m.version not in (FORMAT_VERSION, SEGMENTED_VERSION)
             or type(m.extra) is not dict or m.extra
             or type(m.name) is not str or (m.parent is not None and type(m.parent) is not str)
             or type(m.created) is not float or not 0 <= m.created < 1e11

@@ -41,7 +41,7 @@ from ..errors import (
 from ..format.hashing import HashAlgorithm
 from ..format.manifest import Manifest
 from ..format.manifest_parse import parse_manifest
-from ..layout import BLOB_PREFIX, blob_key, blob_of_key, manifest_key
+from ..layout import BLOB_PREFIX, blob_key, blob_of_key, manifest_key, segments_in
 from ..pipeline.budget import ByteBudget
 from ..pipeline.options import METADATA_THREADS
 from ..stores.base import Store
@@ -77,7 +77,7 @@ def read_manifest(sources: Sequence[Store], name: str, algorithm: HashAlgorithm
     for store in sources:
         try:
             raw = store.get(manifest_key(name))
-            return raw, parse_manifest(raw, name, algorithm)
+            return raw, parse_manifest(raw, name, algorithm, segments_in(store, algorithm))
         except ObjectNotFoundError:
             continue
         except FormatError as exc:
@@ -106,7 +106,7 @@ def fetch_verified(blob: str, sources: Sequence[Store], algorithm: HashAlgorithm
 def blob_extents(manifest: Manifest) -> dict[str, int]:
     """{blob: the bytes of it the manifest uses} (offset + size of its furthest chunk): a
     copy of the blob shorter than that cannot serve the checkpoint."""
-    sizes: dict[str, int] = {}
+    sizes = {r.digest: r.size for r in manifest.segment_refs()}
     for t in manifest.tensors:
         for c in t.chunks:
             sizes[c.blob] = max(sizes.get(c.blob, 0), c.offset + c.size)

@@ -39,12 +39,14 @@ from ..format.codecs import Codec
 from ..format.leaf import ArrayLeaf
 from ..format.manifest import (
     MAX_MANIFEST_BYTES,
+    SEGMENTED_VERSION,
     ChunkRef,
     Manifest,
     StorageRef,
     TensorEntry,
     expected_chunk_count,
 )
+from ..format.segments import version_for
 from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
@@ -85,12 +87,16 @@ class KnownChunks:
     def __init__(self) -> None:
         self._refs: dict[tuple[str, str | None], ChunkRef] = {}
         self._lock = threading.Lock()
+        #: index segments (version-3 manifests) the store holds: a commit reuses them
+        self.segments: set[str] = set()
 
     @staticmethod
     def _key(raw_digest: str, codec: Codec | None) -> tuple[str, str | None]:
         return (raw_digest, None if codec is None else f"{codec.id}:{codec.level}")
 
     def add_manifest(self, manifest: Manifest) -> None:
+        with self._lock:
+            self.segments.update(r.digest for r in manifest.segment_refs())
         for t in manifest.tensors:
             for c in t.chunks:
                 self.add(c, t.codec)
@@ -522,9 +528,11 @@ class CheckpointWriter:
         return max(time.time(), self.not_before)
 
     def commit(self, manifest: Manifest, manifest_key: str) -> bytes:
-        """Make the blobs durable, then create the manifest create-only. Returns the bytes
-        committed. A manifest over MAX_MANIFEST_BYTES is refused before anything is
-        committed (a reader would refuse it: it must never be created)."""
+        """Write a version-3 manifest's new index segments, make the blobs durable, then
+        create the manifest (its root) create-only. Returns the bytes committed. A manifest
+        over MAX_MANIFEST_BYTES, or a segment over its cap, is refused before anything of it
+        is written (a reader would refuse it: it must never be created)."""
+        segments = manifest.segment_blobs() if manifest.version >= SEGMENTED_VERSION else []
         body = manifest.to_bytes()
         if len(body) > MAX_MANIFEST_BYTES:
             raise FormatError(f"checkpoint {manifest.name!r}: its manifest would be {len(body)} "
@@ -532,6 +540,11 @@ class CheckpointWriter:
                               "nothing was committed (save fewer tensors per checkpoint, or a "
                               "larger chunk_bytes)")
         with self.stats.timed("commit"):
+            for ref, data in segments:  # like data: a segment the store holds is reused
+                if ref.digest not in self.known.segments:
+                    with self._claim_lock:
+                        self._claimed.add(ref.digest)
+                    self.store.put(blob_key(ref.digest), data)
             self.store.sync()  # every blob durable before the manifest exists
             self.confirm_sources()  # again, later: see Overlap.confirm
             if self.before_commit is not None:
@@ -545,6 +558,7 @@ class CheckpointWriter:
                     f"checkpoint {manifest.name!r} already exists in {self.store.uri}; it was "
                     "not touched") from None
         self.committed = body
+        self.known.segments.update(ref.digest for ref, _data in segments)
         return body
 
     def write(self, name: str, tree: Any, leaves: list[ArrayLeaf], metadata: dict[str, Any],
@@ -563,7 +577,8 @@ class CheckpointWriter:
                                 storage_refs(leaves))
         manifest = Manifest(name=name, created=self.creation_time(), metadata=metadata,
                             tree=tree, tensors=entries, parent=parent,
-                            hash=self.options.hash.name)
+                            hash=self.options.hash.name,
+                            version=version_for(entries))
         self.commit(manifest, manifest_key)
         return manifest
 

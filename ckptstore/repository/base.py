@@ -27,7 +27,7 @@ from ..errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError
 from ..format.codecs import Codec
 from ..format.manifest import Manifest
 from ..format.manifest_parse import parse_manifest
-from ..layout import manifest_key
+from ..layout import manifest_key, segments_in
 from ..maintenance.checks import GcReport, VerifyReport
 from ..pipeline.commit import LOCAL, Committer
 from ..pipeline.loading import load_state
@@ -282,7 +282,7 @@ class CheckpointStore:
         except ObjectNotFoundError:
             return None
         try:
-            return parse_manifest(raw, name, self.hash)
+            return parse_manifest(raw, name, self.hash, segments_in(store, self.hash))
         except FormatError as exc:
             raise FormatError(f"checkpoint {name!r} in {store.uri}: {exc}") from None
 

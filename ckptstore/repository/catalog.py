@@ -27,7 +27,7 @@ from ..errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError, 
 from ..format.hashing import HashAlgorithm
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..format.manifest_parse import parse_manifest
-from ..layout import MANIFEST_PREFIX, manifest_key, name_of_manifest_key
+from ..layout import MANIFEST_PREFIX, manifest_key, name_of_manifest_key, segments_in
 from ..pipeline.options import METADATA_THREADS
 from ..stores.base import ObjectInfo, Store
 
@@ -107,7 +107,7 @@ class Catalog:
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.store.uri}"
                                           ) from None
         try:
-            return parse_manifest(raw, name, self.hash)
+            return parse_manifest(raw, name, self.hash, segments_in(self.store, self.hash))
         except FormatError as exc:
             raise FormatError(f"checkpoint {name!r} in {self.store.uri}: {exc}") from None
 

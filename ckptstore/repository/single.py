@@ -48,7 +48,7 @@ from ..format.manifest import Manifest
 from ..format.manifest_parse import committed_manifest
 from ..format.names import validate_name
 from ..format.tree import TreeEncoder, flatten_arrays
-from ..layout import blob_key, manifest_key
+from ..layout import blob_key, manifest_key, segments_in
 from ..maintenance import checks, leases
 from ..pipeline.commit import Committer, LocalCommitter, SaveRequest
 from ..pipeline.options import (
@@ -360,7 +360,8 @@ class SingleStore(CheckpointStore, kind="single"):
             # cache what any reader will parse from the store: the writer's own objects only
             # when they provably equal that parse, else the parse of the committed bytes
             manifest = committed_manifest(manifest, writer.committed or manifest.to_bytes(),
-                                          expected_name=name)
+                                          expected_name=name,
+                                          segments=segments_in(self.store, self.hash))
             self.catalog.remember(manifest)
         s = writer.stats
         info = SaveInfo(name=name, tensors=len(leaves),

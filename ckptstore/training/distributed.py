@@ -39,6 +39,7 @@ from ..format.codecs import Codec
 from ..format.leaf import ArrayLeaf
 from ..format.manifest import ChunkRef, Manifest, StorageRef, TensorEntry
 from ..format.regions import Runs, block_runs, boxes
+from ..format.segments import version_for
 from ..pipeline.commit import SaveRequest
 from ..pipeline.options import SaveInfo
 from ..pipeline.planning import LeafPlan, TensorLayout, plan_collective
@@ -159,7 +160,8 @@ def save_collective(writer: CheckpointWriter | None, request: SaveRequest, group
                                    _replicated_storage(leaves, descs))
                 manifest = Manifest(name=name, created=writer.creation_time(), metadata=metadata,
                                     tree=tree, tensors=entries, parent=parent,
-                                    hash=writer.options.hash.name)
+                                    hash=writer.options.hash.name,
+                                    version=version_for(entries))
                 writer.commit(manifest, manifest_key)
             except Exception as exc:
                 err = f"rank 0: {type(exc).__name__}: {exc}"

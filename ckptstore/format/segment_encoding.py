@@ -1,0 +1,132 @@
+"""Writing index segments, the per-tensor part of a version-3 manifest (docs/format.md §3b):
+where a manifest is cut into segments and the bytes of each. `segments` reads them back.
+
+Segment bytes: MAGIC, a u32 little-endian header length, the canonical JSON header, then the
+chunk table as columns (blob table of 16-byte digests, then per chunk: u32 blob index, u64
+offset, u64 size, u64 nbytes, 16-byte digest). Only entries that pass `entry_problem` are
+encoded; equal entries give equal bytes, so an unchanged segment is the same blob.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+from ..errors import FormatError
+from .canonical import canonical_str
+from .hashing import HashAlgorithm
+
+if TYPE_CHECKING:
+    from .manifest import TensorEntry
+
+MAGIC = b"CKSTSEG\x01"
+#: A manifest is written as version 3 (root + segments) above either size; smaller ones stay
+#: one version-2 document (one read, nothing to gain from parts).
+SEGMENTED_ABOVE_TENSORS = 1024
+SEGMENTED_ABOVE_CHUNKS = 16384
+#: Segment boundaries: after a tensor whose key hashes to 0 mod this (content-defined, so an
+#: inserted or removed tensor changes one segment, not every later one), or at the caps.
+CUT_MODULUS = 256
+MAX_SEGMENT_TENSORS = 4096
+MAX_SEGMENT_CHUNKS = 1 << 16  # a segment is cut before a tensor that would pass this
+#: No segment may be larger (bounds a reader's allocation; a root lists each one's size).
+MAX_SEGMENT_BYTES = 1 << 28
+HEADER = struct.Struct("<8sI")
+DIGEST_BYTES = 16
+CHUNK_COLUMNS = (("<u4", 4), ("<u8", 8), ("<u8", 8), ("<u8", 8))  # blob, offset, size, nbytes
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """One segment as a root lists it: the blob `digest` of its `size` bytes holding the
+    entries of `tensors` consecutive tensors, which declare `nbytes` bytes (their
+    TensorEntry.nbytes summed: listing a checkpoint's size reads the root alone)."""
+
+    digest: str
+    size: int
+    tensors: int
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"digest": self.digest, "nbytes": self.nbytes, "size": self.size,
+                "tensors": self.tensors}
+
+
+def is_segmented(entries: Sequence[TensorEntry]) -> bool:
+    """True if a manifest of these entries is written as version 3."""
+    return (len(entries) > SEGMENTED_ABOVE_TENSORS
+            or sum(len(t.chunks) for t in entries) > SEGMENTED_ABOVE_CHUNKS)
+
+
+def segment_blobs(entries: Sequence[TensorEntry], algorithm: HashAlgorithm
+                  ) -> list[tuple[SegmentRef, bytes]]:
+    """The index segments of `entries`, cut (see `cut`) and encoded, with their refs."""
+    out = []
+    for span in cut(entries):
+        part = entries[span.start:span.stop]
+        data = encode(part)
+        out.append((SegmentRef(algorithm.digest(data), len(data), len(span),
+                               sum(t.nbytes for t in part)), data))
+    return out
+
+
+def cut(entries: Sequence[TensorEntry]) -> list[range]:
+    """The tensor index ranges of the segments, in order (see CUT_MODULUS)."""
+    out: list[range] = []
+    start = chunks = 0
+    for i, t in enumerate(entries):
+        n = len(t.chunks)
+        if i > start and chunks + n > MAX_SEGMENT_CHUNKS:
+            out.append(range(start, i))
+            start, chunks = i, 0
+        chunks += n
+        if (i + 1 - start >= MAX_SEGMENT_TENSORS
+                or xxhash.xxh64_intdigest(t.key.encode("utf-8", "surrogatepass"))
+                % CUT_MODULUS == 0):
+            out.append(range(start, i + 1))
+            start, chunks = i + 1, 0
+    if start < len(entries):
+        out.append(range(start, len(entries)))
+    return out
+
+
+def _record(t: TensorEntry) -> list[Any]:
+    st = t.storage
+    return [t.key, t.kind, t.dtype.name, list(t.shape), t.chunk_rows,
+            None if t.codec is None else t.codec.to_json(), len(t.chunks),
+            t.requires_grad, t.parameter,
+            None if st is None else [st.id, st.nbytes, st.offset, list(st.stride)],
+            None if t.chunk_shape is None else list(t.chunk_shape)]
+
+
+def encode(entries: Sequence[TensorEntry]) -> bytes:
+    """The segment holding `entries` (each must pass `entry_problem`); deterministic, so
+    equal entries give the same blob. FormatError if it would exceed MAX_SEGMENT_BYTES."""
+    blobs: dict[str, int] = {}
+    index: list[int] = []
+    columns: list[list[int]] = [[], [], []]
+    digests: list[str] = []
+    for t in entries:
+        for c in t.chunks:
+            index.append(blobs.setdefault(c.blob, len(blobs)))
+            columns[0].append(c.offset)
+            columns[1].append(c.size)
+            columns[2].append(c.nbytes)
+            digests.append(c.digest)
+    header = canonical_str({"blobs": len(blobs), "chunks": len(index),
+                            "tensors": [_record(t) for t in entries]}).encode("utf-8")
+    parts = [HEADER.pack(MAGIC, len(header)), header, bytes.fromhex("".join(blobs)),
+             np.asarray(index, dtype="<u4").tobytes()]
+    parts += [np.asarray(col, dtype="<u8").tobytes() for col in columns]
+    parts.append(bytes.fromhex("".join(digests)))
+    data = b"".join(parts)
+    if len(data) > MAX_SEGMENT_BYTES:
+        raise FormatError(f"an index segment of {len(entries)} tensor(s) would be {len(data)} "
+                          f"bytes, more than the {MAX_SEGMENT_BYTES} a reader accepts; nothing "
+                          "was committed (use a larger chunk_bytes)")
+    return data

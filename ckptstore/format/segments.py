@@ -1,0 +1,225 @@
+"""Reading index segments, the per-tensor part of a version-3 manifest, in compact binary
+blobs (docs/format.md §3b; their bytes: segment_encoding.py).
+
+A version-3 manifest's root holds everything but the tensor entries, plus a list of
+segments (`SegmentRef`: digest, size, tensor count). Each segment is an ordinary blob, named
+by the digest of its bytes like chunk data, holding the entries of consecutive tensors. So a
+reader parses only the segments holding the tensors it needs (`SegmentedEntries`), an
+unchanged segment is the same blob in the next checkpoint (written once, like unchanged
+data), and gc, replication, peers and verify treat segments as the blobs they are.
+
+Entries decode to exactly the TensorEntry that was encoded and obey `entry_problem`, the
+rules of every other manifest version.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, overload
+
+import numpy as np
+
+from ..errors import FormatError
+from .codecs import parse_codec
+from .dtypes import DTYPES
+from .hashing import HashAlgorithm
+from .manifest import (
+    FORMAT_VERSION,
+    SEGMENTED_VERSION,
+    ChunkRef,
+    StorageRef,
+    TensorEntry,
+    entry_problem,
+)
+from .segment_encoding import (
+    CHUNK_COLUMNS,
+    DIGEST_BYTES,
+    HEADER,
+    MAGIC,
+    MAX_SEGMENT_BYTES,
+    SegmentRef,
+    is_segmented,
+)
+
+__all__ = ["MAX_SEGMENT_BYTES", "SegmentRef", "SegmentSource", "SegmentedEntries", "decode",
+           "store_segments", "version_for"]
+
+
+def version_for(entries: Sequence[TensorEntry]) -> int:
+    """The manifest version a writer uses for these entries (see is_segmented)."""
+    return SEGMENTED_VERSION if is_segmented(entries) else FORMAT_VERSION
+
+
+def _hexes(raw: bytes) -> list[str]:
+    h = raw.hex()
+    return [h[i:i + 2 * DIGEST_BYTES] for i in range(0, len(h), 2 * DIGEST_BYTES)]
+
+
+def decode(data: bytes, ref: SegmentRef, where: str) -> list[TensorEntry]:
+    """The entries of segment `ref` from its bytes `data` (already matched to its digest),
+    each validated by `entry_problem`; FormatError (prefixed by `where`) on anything wrong."""
+    try:
+        return _decode(data, ref)
+    except FormatError as exc:
+        raise FormatError(f"{where}: index segment {ref.digest}: {exc}") from None
+
+
+def _decode(data: bytes, ref: SegmentRef) -> list[TensorEntry]:
+    if len(data) != ref.size or len(data) < HEADER.size:
+        raise FormatError(f"{len(data)} bytes, the root lists {ref.size}")
+    magic, hlen = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise FormatError("not a ckptstore index segment")
+    try:
+        header = json.loads(data[HEADER.size:HEADER.size + hlen].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"header is not valid JSON: {exc}") from None
+    if (type(header) is not dict or header.keys() != {"blobs", "chunks", "tensors"}
+            or type(nblobs := header["blobs"]) is not int or nblobs < 0
+            or type(nchunks := header["chunks"]) is not int or nchunks < 0
+            or type(records := header["tensors"]) is not list):
+        raise FormatError("header must be {blobs, chunks, tensors}")
+    if len(records) != ref.tensors:
+        raise FormatError(f"holds {len(records)} tensor(s), the root lists {ref.tensors}")
+    pos = HEADER.size + hlen
+    want = pos + nblobs * DIGEST_BYTES + nchunks * (4 + 8 + 8 + 8 + DIGEST_BYTES)
+    if len(data) != want:
+        raise FormatError(f"{len(data)} bytes, its header implies {want}")
+    blob_names = _hexes(data[pos:pos + nblobs * DIGEST_BYTES])
+    pos += nblobs * DIGEST_BYTES
+    cols: list[list[int]] = []
+    for dtype, width in CHUNK_COLUMNS:
+        cols.append(np.frombuffer(data, dtype=dtype, count=nchunks, offset=pos).tolist())
+        pos += width * nchunks
+    blob_index, offsets, sizes, nbytes = cols
+    digests = _hexes(data[pos:])
+    if blob_index and max(blob_index) >= nblobs:
+        raise FormatError("a chunk names a blob outside the blob table")
+    out: list[TensorEntry] = []
+    at = 0
+    for i, rec in enumerate(records):
+        head, tail, n = _fields(rec, i)
+        if at + n > nchunks:
+            raise FormatError(f"tensor {i} lists more chunks than the segment holds")
+        chunks = tuple(
+            ChunkRef(blob_names[blob_index[j]], offsets[j], sizes[j], nbytes[j], digests[j])
+            for j in range(at, at + n))
+        at += n
+        key, kind, dtype, shape, rows, codec = head
+        grad, param, storage, grid = tail
+        entry = TensorEntry(key, kind, dtype, shape, rows, codec, chunks, grad, param, storage,
+                            grid)
+        problem = entry_problem(entry)
+        if problem is not None:
+            raise FormatError(f"tensor {entry.key!r:.200}: {problem}")
+        out.append(entry)
+    if at != nchunks:
+        raise FormatError(f"{nchunks - at} chunk(s) belong to no tensor")
+    if sum(t.nbytes for t in out) != ref.nbytes:
+        raise FormatError(f"its tensors hold {sum(t.nbytes for t in out)} bytes, the root "
+                          f"lists {ref.nbytes}")
+    return out
+
+
+def _fields(rec: Any, i: int) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
+    """The TensorEntry fields a header record gives, before and after `chunks`, and its
+    chunk count. Only what building the entry needs is checked here; the rules, by
+    `entry_problem` once the chunks are in."""
+    if type(rec) is not list or len(rec) != 11:
+        raise FormatError(f"tensor record {i} must be a list of 11 fields")
+    key, kind, dtype_name, shape, rows, codec_doc, n, grad, param, st, grid = rec
+    dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    if dtype is None:
+        raise FormatError(f"tensor record {i}: unknown dtype {dtype_name!r:.40}")
+    if type(shape) is not list or type(n) is not int or n < 0 or (
+            grid is not None and type(grid) is not list):
+        raise FormatError(f"tensor record {i}: shape, chunk count or chunk_shape malformed")
+    storage = None
+    if st is not None:
+        if type(st) is not list or len(st) != 4 or type(st[3]) is not list:
+            raise FormatError(f"tensor record {i}: storage must be [id, nbytes, offset, stride]")
+        storage = StorageRef(st[0], st[1], st[2], tuple(st[3]))
+    return ((key, kind, dtype, tuple(shape), rows, parse_codec(codec_doc)),
+            (grad, param, storage, None if grid is None else tuple(grid)), n)
+
+
+SegmentSource = Callable[[SegmentRef], bytes]
+
+
+def store_segments(get: Callable[[str], bytes], algorithm: HashAlgorithm) -> SegmentSource:
+    """A SegmentSource reading segment blobs with `get(digest)` (ObjectNotFoundError if
+    absent) and refusing bytes that do not match their digest (FormatError)."""
+    def fetch(ref: SegmentRef) -> bytes:
+        data = get(ref.digest)
+        if len(data) != ref.size or algorithm.digest(data) != ref.digest:
+            raise FormatError(f"index segment {ref.digest} is corrupt (its content does not "
+                              "match its digest)")
+        return data
+    return fetch
+
+
+class SegmentedEntries(Sequence[TensorEntry]):
+    """The tensor entries of a version-3 manifest, read segment by segment when first used
+    (then kept): indexing reads one segment, iterating reads them all in order. Errors of a
+    missing or damaged segment (FormatError, ObjectNotFoundError from the source) are raised
+    by the access that needed it. Thread-safe."""
+
+    def __init__(self, refs: Sequence[SegmentRef], source: SegmentSource | None, where: str):
+        self.refs = tuple(refs)
+        self._source = source
+        self._where = where
+        self._starts = [0]
+        for r in self.refs:
+            self._starts.append(self._starts[-1] + r.tensors)
+        self._parsed: dict[int, list[TensorEntry]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def segment(self, s: int) -> list[TensorEntry]:
+        """The entries of segment `s`, read and validated on first use."""
+        got = self._parsed.get(s)
+        if got is not None:
+            return got
+        with self._lock:
+            got = self._parsed.get(s)
+            if got is None:
+                if self._source is None:
+                    raise FormatError(f"{self._where}: its index segments are not available "
+                                      "here (only the manifest root was read)")
+                ref = self.refs[s]
+                got = self._parsed[s] = decode(self._source(ref), ref, self._where)
+            return got
+
+    @overload
+    def __getitem__(self, i: int) -> TensorEntry: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[TensorEntry]: ...
+
+    def __getitem__(self, i: int | slice) -> TensorEntry | Sequence[TensorEntry]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        s = bisect.bisect_right(self._starts, i) - 1
+        return self.segment(s)[i - self._starts[s]]
+
+    def __iter__(self) -> Iterator[TensorEntry]:
+        for s in range(len(self.refs)):
+            yield from self.segment(s)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or len(other) != len(self):
+            return False
+        return all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SegmentedEntries({len(self)} tensors in {len(self.refs)} segments)"

@@ -1,0 +1,270 @@
+"""Version-3 manifests: a small root plus binary index segments stored as blobs. A large
+state is written that way; what a reader needs is read and nothing else; unchanged segments
+are reused; damage to a segment or the root is refused, never loaded; gc, verify and tier
+replication keep and copy segments like the blobs they are."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckptstore
+from ckptstore import CheckpointStore, FormatError
+from ckptstore.format.manifest import FORMAT_VERSION, SEGMENTED_VERSION
+from ckptstore.format.manifest_parse import parse_manifest
+from ckptstore.format.segment_encoding import (
+    SEGMENTED_ABOVE_TENSORS,
+    SegmentRef,
+    cut,
+    encode,
+)
+from ckptstore.format.segments import SegmentedEntries, decode
+from ckptstore.layout import blob_key
+from tests.helpers import sealed_manifest
+
+N = SEGMENTED_ABOVE_TENSORS + 1500  # well above the threshold: several segments
+
+
+def big_state(n: int = N, bump: int | None = None) -> dict[str, Any]:
+    state: dict[str, Any] = {f"layers.{i}.w": np.full((3,), i, dtype=np.float32)
+                             for i in range(n)}
+    state["model"] = {"emb": torch.arange(12, dtype=torch.float16).reshape(3, 4),
+                      "tied": None, "flags": torch.tensor([True, False])}
+    state["model"]["tied"] = state["model"]["emb"]  # tied tensors keep one entry
+    state["step"] = 7
+    if bump is not None:
+        state[f"layers.{bump}.w"] = state[f"layers.{bump}.w"] + 1
+    return state
+
+
+def root(path: Path, name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((path / "checkpoints" / f"{name}.json").read_bytes())
+    return doc
+
+
+def segment_path(repo: Path, digest: str) -> Path:
+    return repo / blob_key(digest)
+
+
+def assert_loaded(out: dict[str, Any], state: dict[str, Any]) -> None:
+    for k, v in state.items():
+        if k.startswith("layers."):
+            assert out[k].tobytes() == v.tobytes(), k
+    assert torch.equal(out["model"]["emb"], state["model"]["emb"])
+    assert out["model"]["tied"] is out["model"]["emb"]
+    assert torch.equal(out["model"]["flags"], state["model"]["flags"])
+    assert out["step"] == 7
+
+
+def test_small_manifests_stay_one_document(tmp_path: Path) -> None:
+    repo = CheckpointStore(str(tmp_path))
+    repo.save("small", {"w": np.arange(10)})
+    doc = root(tmp_path, "small")
+    assert doc["version"] == FORMAT_VERSION and "tensors" in doc
+
+
+def test_large_state_round_trips_through_a_small_root(tmp_path: Path) -> None:
+    state = big_state()
+    with CheckpointStore(str(tmp_path)) as repo:
+        repo.save("a", state)
+        written = repo.manifest("a")
+    doc = root(tmp_path, "a")
+    assert doc["version"] == SEGMENTED_VERSION and "tensors" not in doc
+    assert len(doc["segments"]) >= 4
+    assert sum(s["tensors"] for s in doc["segments"]) == N + 2  # tied: one entry
+    assert all(segment_path(tmp_path, s["digest"]).stat().st_size == s["size"]
+               for s in doc["segments"])
+    fresh = CheckpointStore(str(tmp_path))
+    parsed = fresh.manifest("a")
+    assert isinstance(parsed.tensors, SegmentedEntries)
+    assert list(parsed.tensors) == list(written.tensors)  # entries decode to what was written
+    assert parsed.blob_digests() == written.blob_digests()
+    assert parsed.to_bytes() == (tmp_path / "checkpoints" / "a.json").read_bytes()
+    assert_loaded(fresh.load("a"), state)
+
+
+def test_partial_load_reads_only_the_segments_it_needs(tmp_path: Path) -> None:
+    """Every segment but the one holding the asked key is deleted: the partial load still
+    works (it never touched them), a whole load is refused naming a missing segment."""
+    state = big_state()
+    CheckpointStore(str(tmp_path)).save("a", state)
+    key = f"layers.{N // 2}.w"
+    parsed = CheckpointStore(str(tmp_path)).manifest("a")
+    index = next(i for i, t in enumerate(parsed.tensors) if t.key == key)
+    starts = np.cumsum([0] + [r.tensors for r in parsed.segment_refs()])
+    holding = int(np.searchsorted(starts, index, side="right")) - 1
+    for s, ref in enumerate(parsed.segment_refs()):
+        if s != holding:
+            segment_path(tmp_path, ref.digest).unlink()
+    fresh = CheckpointStore(str(tmp_path))
+    out = fresh.load("a", keys=[key])
+    assert list(out) == [key] and out[key].tobytes() == state[key].tobytes()
+    assert [c.name for c in fresh.list()] == ["a"]  # listing reads roots only
+    with pytest.raises(FormatError, match="index segment .* is missing"):
+        CheckpointStore(str(tmp_path)).load("a")
+
+
+def test_unchanged_segments_are_reused_not_rewritten(tmp_path: Path) -> None:
+    with CheckpointStore(str(tmp_path)) as repo:
+        repo.save("a", big_state())
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "blobs").rglob("*") if p.is_file()}
+    time.sleep(0.01)
+    with CheckpointStore(str(tmp_path)) as repo:  # a restarted process: knows the parent
+        repo.save("b", big_state(bump=N // 3))
+    a, b = (root(tmp_path, n)["segments"] for n in ("a", "b"))
+    changed = {s["digest"] for s in b} - {s["digest"] for s in a}
+    assert len(changed) == 1 and len(b) == len(a)
+    after = {p: p.stat().st_mtime_ns for p in before}
+    assert after == before  # no segment (and no unchanged chunk) written again
+    out = CheckpointStore(str(tmp_path)).load("b", keys=[f"layers.{N // 3}.w"])
+    assert out[f"layers.{N // 3}.w"][0] == N // 3 + 1
+
+
+def test_inserting_a_tensor_changes_few_segments() -> None:
+    """Cuts depend on the keys (content-defined), not on positions: an inserted tensor
+    changes the segment it lands in (and at most its neighbour), not every later one."""
+    repo = CheckpointStore("memory://cut-stability")
+    state = big_state()
+    repo.save("a", state)
+    state["layers.1000.extra"] = np.zeros(2, dtype=np.float32)
+    repo.save("b", state)
+    a = {r.digest for r in repo.manifest("a").segment_refs()}
+    b = [r.digest for r in repo.manifest("b").segment_refs()]
+    assert len([d for d in b if d not in a]) <= 2 < len(b)
+
+
+def test_corrupt_segment_is_refused_and_found_by_verify(tmp_path: Path) -> None:
+    state = big_state()
+    CheckpointStore(str(tmp_path)).save("a", state)
+    ref = root(tmp_path, "a")["segments"][1]
+    p = segment_path(tmp_path, ref["digest"])
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    p.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="corrupt"):
+        CheckpointStore(str(tmp_path)).load("a")
+    report = CheckpointStore(str(tmp_path)).verify("a")
+    assert report.problems and "corrupt" in str(report.problems[0])
+
+
+def test_gc_keeps_segments_of_live_checkpoints_and_reclaims_the_rest(tmp_path: Path) -> None:
+    with CheckpointStore(str(tmp_path)) as repo:
+        repo.save("a", big_state())
+        repo.save("b", big_state(bump=5))
+    only_a = ({s["digest"] for s in root(tmp_path, "a")["segments"]}
+              - {s["digest"] for s in root(tmp_path, "b")["segments"]})
+    assert only_a
+    old = time.time() - 30 * 86400
+    for p in (tmp_path / "blobs").rglob("*"):
+        os.utime(p, (old, old))
+    with CheckpointStore(str(tmp_path)) as repo:
+        repo.delete("a")
+        report = repo.gc(grace_seconds=0)
+    assert only_a <= set(report.deleted)
+    assert all(segment_path(tmp_path, s["digest"]).exists()
+               for s in root(tmp_path, "b")["segments"])
+    out = CheckpointStore(str(tmp_path)).load("b")
+    assert out["layers.5.w"][0] == 6
+
+
+def test_replication_to_a_far_tier_carries_the_segments(tmp_path: Path) -> None:
+    near, far = tmp_path / "near", tmp_path / "far"
+    state = big_state()
+    with ckptstore.CheckpointStore([str(near), str(far)]) as repo:
+        repo.save("a", state)
+        repo.wait_replicated(timeout=60)
+    assert_loaded(CheckpointStore(str(far)).load("a"), state)
+    assert CheckpointStore(str(far)).verify("a").problems == []
+
+
+def test_root_damage_is_refused(tmp_path: Path) -> None:
+    CheckpointStore(str(tmp_path)).save("a", big_state())
+    doc = root(tmp_path, "a")
+    doc.pop("self_digest")
+    repo = CheckpointStore(str(tmp_path))
+
+    def parse(d: dict[str, Any]) -> Any:
+        from ckptstore.layout import segments_in
+        m = parse_manifest(sealed_manifest(d), "a", repo.hash, segments_in(repo.store, repo.hash))
+        return list(m.tensors)
+
+    wrong_count = json.loads(json.dumps(doc))
+    wrong_count["segments"][0]["tensors"] += 1
+    with pytest.raises(FormatError, match="the root lists"):
+        parse(wrong_count)
+    wrong_bytes = json.loads(json.dumps(doc))
+    wrong_bytes["segments"][0]["nbytes"] += 4
+    with pytest.raises(FormatError, match="the root lists"):
+        parse(wrong_bytes)
+    wrong_size = json.loads(json.dumps(doc))
+    wrong_size["segments"][0]["size"] += 1
+    with pytest.raises(FormatError, match="corrupt"):
+        parse(wrong_size)
+    both = json.loads(json.dumps(doc))
+    both["tensors"] = []
+    with pytest.raises(FormatError, match="unknown field"):
+        parse(both)
+    missing = json.loads(json.dumps(doc))
+    del missing["segments"]
+    with pytest.raises(FormatError, match="missing field"):
+        parse(missing)
+    for bad in ([{"digest": "zz", "nbytes": 0, "size": 1, "tensors": 1}],
+                [{"digest": "0" * 32, "nbytes": 0, "size": 0, "tensors": 1}],
+                [{"digest": "0" * 32, "nbytes": 0, "size": 10, "tensors": 0}], "x",
+                [{"digest": "0" * 32, "size": 10, "tensors": 1}]):  # no nbytes
+        d = json.loads(json.dumps(doc))
+        d["segments"] = bad
+        with pytest.raises(FormatError):
+            parse(d)
+    d = json.loads(json.dumps(doc))
+    d["version"] = 2  # a v2 header over a v3 body
+    with pytest.raises(FormatError):
+        parse(d)
+    # without a source only the root is usable, and says so
+    m = parse_manifest((tmp_path / "checkpoints" / "a.json").read_bytes(), "a", repo.hash)
+    with pytest.raises(FormatError, match="not available"):
+        m.tensors[0]
+
+
+SAMPLE = CheckpointStore("memory://segment-sample")
+SAMPLE.save("s", big_state(n=SEGMENTED_ABOVE_TENSORS + 20))
+ENTRIES = list(SAMPLE.manifest("s").tensors)[:40]
+SEGMENT = encode(ENTRIES)
+REF = SegmentRef("0" * 32, len(SEGMENT), len(ENTRIES), sum(t.nbytes for t in ENTRIES))
+
+
+def test_encode_decode_is_exact_and_deterministic() -> None:
+    assert decode(SEGMENT, REF, "x") == ENTRIES
+    assert encode(decode(SEGMENT, REF, "x")) == SEGMENT
+    spans = cut(ENTRIES)
+    assert [i for s in spans for i in s] == list(range(len(ENTRIES)))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, len(SEGMENT) - 1), st.integers(1, 255))
+def test_a_flipped_byte_is_refused_or_decodes_to_valid_entries(pos: int, xor: int) -> None:
+    """decode (past the digest check) never raises anything but FormatError, and anything it
+    returns passes the entry rules."""
+    data = bytearray(SEGMENT)
+    data[pos] ^= xor
+    try:
+        out = decode(bytes(data), REF, "x")
+    except FormatError:
+        return
+    assert len(out) == len(ENTRIES)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, len(SEGMENT) - 1))
+def test_a_truncated_segment_is_refused(n: int) -> None:
+    with pytest.raises(FormatError):
+        decode(SEGMENT[:n], SegmentRef("0" * 32, n, len(ENTRIES), REF.nbytes), "x")
