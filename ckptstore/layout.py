@@ -14,12 +14,15 @@ layout idea). Every other module builds keys through here; docs/format.md is its
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from typing import Protocol
 
-from .errors import FormatError, ObjectNotFoundError
+from .errors import FormatError, ObjectNotFoundError, StoreError
 from .format.hashing import HashAlgorithm, check_digest, is_digest
 from .format.names import validate_name
-from .format.segments import SegmentSource, store_segments
+from .format.segment_encoding import SegmentRef
+from .format.segments import SegmentSource
 
 MARKER_KEY = "ckptstore.json"
 BLOB_PREFIX = "blobs/"
@@ -44,18 +47,37 @@ def blob_of_key(key: str) -> str | None:
 
 
 class _Gets(Protocol):
+    uri: str
+
     def get(self, key: str) -> bytes: ...
 
 
-def segments_in(store: _Gets, algorithm: HashAlgorithm) -> SegmentSource:
-    """The index segments of version-3 manifests, read from `store` as the blobs they are
-    (FormatError if one is missing or does not match its digest)."""
-    def get(digest: str) -> bytes:
-        try:
-            return store.get(blob_key(digest))
-        except ObjectNotFoundError:
-            raise FormatError(f"index segment {digest} is missing") from None
-    return store_segments(get, algorithm)
+def segments_in(stores: Sequence[_Gets], algorithm: HashAlgorithm) -> SegmentSource:
+    """The index segments of version-3 manifests, read as the blobs they are from the first
+    of `stores` (the manifest's own store, then the tiers after it) whose copy matches its
+    digest; a segment served by a later store is reported with a RuntimeWarning. FormatError
+    naming every copy's problem if none is good."""
+    def fetch(ref: SegmentRef) -> bytes:
+        problems = []
+        for i, store in enumerate(stores):
+            try:
+                data = store.get(blob_key(ref.digest))
+            except ObjectNotFoundError:
+                problems.append(f"missing from {store.uri}")
+                continue
+            except StoreError as exc:
+                problems.append(f"unreadable in {store.uri} ({exc})")
+                continue
+            if len(data) != ref.size or algorithm.digest(data) != ref.digest:
+                problems.append(f"corrupt in {store.uri} (its content does not match its "
+                                "digest)")
+                continue
+            if i:
+                warnings.warn(f"index segment {ref.digest}: {'; '.join(problems)}; read from "
+                              f"{store.uri}", RuntimeWarning, stacklevel=2)
+            return data
+        raise FormatError(f"index segment {ref.digest} has no good copy: {'; '.join(problems)}")
+    return fetch
 
 
 def manifest_key(name: str) -> str:

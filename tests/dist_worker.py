@@ -72,7 +72,11 @@ def _dtensor(full: torch.Tensor, world: int):
     return distribute_tensor(full, mesh, [Shard(0)])
 
 
-def _state(rank: int, world: int, fill_zero: bool):
+#: mode "many": this many more small replicated tensors, so that the manifest is version 3
+MANY = 1500
+
+
+def _state(rank: int, world: int, fill_zero: bool, many: bool = False):
     import ckptstore
 
     t = truth()
@@ -86,6 +90,8 @@ def _state(rank: int, world: int, fill_zero: bool):
         "dt": dt,
         "rng": ckptstore.RNGState(),
         "meta": {"note": "hello"},
+        **({"many": {f"t{i}": torch.full((3,), 0.0 if fill_zero else float(i))
+                     for i in range(MANY)}} if many else {}),
     }
 
 
@@ -102,6 +108,8 @@ def _check(state) -> None:
     assert torch.equal(full, t["dt"]), "dtensor"
     assert local.shape[0] <= t["dt"].shape[0]
     assert state["meta"] == {"note": "hello"}
+    for i, v in enumerate(state.get("many", {}).values()):
+        assert torch.equal(v, torch.full((3,), float(i))), f"many.t{i}"
 
 
 def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
@@ -113,7 +121,7 @@ def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
         mgr = ckptstore.CheckpointManager(root, async_save=(mode == "async"), keep_last=2,
                                           chunk_bytes=64 * 1024)
         torch.manual_seed(1000 + rank)
-        state = _state(rank, world, fill_zero=False)
+        state = _state(rank, world, fill_zero=False, many=(mode == "many"))
         for step in (1, 2, 3):
             result = mgr.save(step, state)
             state["model"]["rep"].add_(0.0)  # trainer goes on (values unchanged: see truth)
@@ -179,7 +187,7 @@ def load_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
         import ckptstore
 
         mgr = ckptstore.CheckpointManager(root)
-        state = _state(rank, world, fill_zero=True)
+        state = _state(rank, world, fill_zero=True, many=(mode == "many"))
         step = mgr.restore(state)
         assert step == 3, step
         _check(state)

@@ -201,13 +201,17 @@ def check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
         for item in _list(value, "tree"):
             if not isinstance(item, list) or len(item) != 2:
                 raise FormatError("tree dict item must be [key, node]")
-            key = item[0]
+            key, child = item
             if not (isinstance(key, list) and len(key) == 2 and
                     ((key[0] == "s" and isinstance(key[1], str)) or
                      (key[0] == "i" and type(key[1]) is int))):
                 raise FormatError("tree dict key must be ['s', str] or ['i', int], "
                                   f"got {key!r:.80}")
-            check_tree(item[1], n_tensors, depth + 1)
+            # the common leaf, checked inline (a call per tensor is most of the time)
+            if (type(child) is dict and len(child) == 1 and type(t := child.get("tensor"))
+                    is int and 0 <= t < n_tensors):
+                continue
+            check_tree(child, n_tensors, depth + 1)
         if "meta" in node:
             check_tree(node["meta"], n_tensors, depth + 1)
         return

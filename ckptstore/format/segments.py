@@ -22,10 +22,10 @@ from typing import Any, overload
 
 import numpy as np
 
+from ..collector import paused_collector
 from ..errors import FormatError
 from .codecs import parse_codec
 from .dtypes import DTYPES
-from .hashing import HashAlgorithm
 from .manifest import (
     FORMAT_VERSION,
     SEGMENTED_VERSION,
@@ -45,7 +45,7 @@ from .segment_encoding import (
 )
 
 __all__ = ["MAX_SEGMENT_BYTES", "SegmentRef", "SegmentSource", "SegmentedEntries", "decode",
-           "store_segments", "version_for"]
+           "version_for"]
 
 
 def version_for(entries: Sequence[TensorEntry]) -> int:
@@ -146,19 +146,9 @@ def _fields(rec: Any, i: int) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
             (grad, param, storage, None if grid is None else tuple(grid)), n)
 
 
+#: Gives the bytes of an index segment, already matched to its digest and size (FormatError
+#: if it cannot: layout.segments_in).
 SegmentSource = Callable[[SegmentRef], bytes]
-
-
-def store_segments(get: Callable[[str], bytes], algorithm: HashAlgorithm) -> SegmentSource:
-    """A SegmentSource reading segment blobs with `get(digest)` (ObjectNotFoundError if
-    absent) and refusing bytes that do not match their digest (FormatError)."""
-    def fetch(ref: SegmentRef) -> bytes:
-        data = get(ref.digest)
-        if len(data) != ref.size or algorithm.digest(data) != ref.digest:
-            raise FormatError(f"index segment {ref.digest} is corrupt (its content does not "
-                              "match its digest)")
-        return data
-    return fetch
 
 
 class SegmentedEntries(Sequence[TensorEntry]):
@@ -192,7 +182,9 @@ class SegmentedEntries(Sequence[TensorEntry]):
                     raise FormatError(f"{self._where}: its index segments are not available "
                                       "here (only the manifest root was read)")
                 ref = self.refs[s]
-                got = self._parsed[s] = decode(self._source(ref), ref, self._where)
+                data = self._source(ref)
+                with paused_collector():  # a short CPU-bound step: see collector.py
+                    got = self._parsed[s] = decode(data, ref, self._where)
             return got
 
     @overload

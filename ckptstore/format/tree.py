@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -227,12 +227,38 @@ def node_kind(node: dict[str, Any]) -> tuple[str, Any]:
     raise ValueError("tree node without a kind")
 
 
-def decode(node: Any, load_leaf: LeafLoader, keep: Callable[[str], bool] | None = None,
+class KeyFilter:
+    """The selection `keys=[...]` makes: a dotted key is kept (a call) if it equals one of
+    `keys` or lies below one; `reaches(key)` says whether the subtree at a dotted key can hold
+    a kept key, so that walks of a large tree skip the rest of it."""
+
+    def __init__(self, keys: Iterable[str]):
+        self.wanted = set(keys)
+        self._above = {w[:i] for w in self.wanted for i, c in enumerate(w) if c == "."}
+
+    def __call__(self, key: str) -> bool:
+        if key in self.wanted:
+            return True
+        dot = key.find(".")
+        while dot >= 0:
+            if key[:dot] in self.wanted:
+                return True
+            dot = key.find(".", dot + 1)
+        return False
+
+    def reaches(self, key: str) -> bool:
+        return key in self._above or self(key)
+
+
+def decode(node: Any, load_leaf: LeafLoader, keep: KeyFilter | None = None,
            path: Path = ()) -> Any:
     """Rebuild the state from a validated tree. `load_leaf(i)` returns tensor i's object.
     With `keep`, only leaves whose dotted key passes are kept, and containers left empty by the
     filter are dropped (returned as _DROP to the parent)."""
     kind, value = node_kind(node)
+    if (keep is not None and path and value and kind in _CONTAINERS
+            and not keep.reaches(key_string(path))):
+        return _DROP  # what walking it would give: every leaf dropped
     if kind in ("dict", "odict"):
         out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
         for (_ktype, k), child in value:
@@ -295,7 +321,10 @@ def _collect_paths(node: Any, path: Path, out: dict[int, Path]) -> None:
         out.setdefault(value, path)
 
 
-def leaf_keys(node: Any, keep: Callable[[str], bool] | None = None) -> dict[int, str]:
+_CONTAINERS = frozenset({"dict", "odict", "list", "tuple"})
+
+
+def leaf_keys(node: Any, keep: KeyFilter | None = None) -> dict[int, str]:
     """Tensor index -> dotted key of the first path it appears at (with `keep`: the first
     path `keep` accepts, so a tensor tied to an unselected key is found by its selected one):
     `key_string` of each `leaf_paths` value, built without keeping a tuple per tensor."""
@@ -304,7 +333,7 @@ def leaf_keys(node: Any, keep: Callable[[str], bool] | None = None) -> dict[int,
     return out
 
 
-def tied_keys(node: Any, keep: Callable[[str], bool] | None = None) -> dict[int, list[str]]:
+def tied_keys(node: Any, keep: KeyFilter | None = None) -> dict[int, list[str]]:
     """Tensor index -> every further dotted key it appears at beyond the first (`leaf_keys`),
     for the tensors stored once and referenced from several places of the tree (the same
     object saved under two keys); with `keep`, only keys `keep` accepts."""
@@ -313,6 +342,8 @@ def tied_keys(node: Any, keep: Callable[[str], bool] | None = None) -> dict[int,
 
     def walk(node: Any, key: str | None) -> None:
         kind, value = node_kind(node)
+        if key is not None and keep is not None and kind in _CONTAINERS and not keep.reaches(key):
+            return
         if kind in ("dict", "odict"):
             for (_t, k), child in value:
                 walk(child, str(k) if key is None else f"{key}.{k}")
@@ -332,10 +363,12 @@ def tied_keys(node: Any, keep: Callable[[str], bool] | None = None) -> dict[int,
 
 
 def _collect_keys(node: Any, key: str | None, out: dict[int, str],
-                  keep: Callable[[str], bool] | None) -> None:
+                  keep: KeyFilter | None) -> None:
     """Add every tensor leaf under `node` (at dotted `key`, None for the root) not yet in
     `out` and accepted by `keep`, in depth-first order."""
     kind, value = node_kind(node)
+    if key is not None and keep is not None and kind in _CONTAINERS and not keep.reaches(key):
+        return
     if kind in ("dict", "odict"):
         for (_t, k), child in value:
             _collect_keys(child, str(k) if key is None else f"{key}.{k}", out, keep)

@@ -74,10 +74,10 @@ def read_manifest(sources: Sequence[Store], name: str, algorithm: HashAlgorithm
     readable one, or None if none holds it (a damaged copy is passed over; FormatError if
     every copy is damaged)."""
     damaged: FormatError | None = None
-    for store in sources:
+    for i, store in enumerate(sources):
         try:
             raw = store.get(manifest_key(name))
-            return raw, parse_manifest(raw, name, algorithm, segments_in(store, algorithm))
+            return raw, parse_manifest(raw, name, algorithm, segments_in(sources[i:], algorithm))
         except ObjectNotFoundError:
             continue
         except FormatError as exc:

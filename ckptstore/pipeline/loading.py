@@ -72,28 +72,18 @@ def check_allocation(manifest: Manifest, fresh: list[int], limit: int | None) ->
                           "hostile manifest? load parts of it with keys=, or into=)")
 
 
-def key_filter(keys: Iterable[str] | None) -> Callable[[str], bool] | None:
-    """A predicate keeping a dotted key equal to one of `keys` or below one of them. Each
-    call costs the key's depth (set lookups of its prefixes), not the number of keys."""
+def key_filter(keys: Iterable[str] | None) -> tree_mod.KeyFilter | None:
+    """The filter keeping a dotted key equal to one of `keys` or below one of them. Each
+    call costs the key's depth (set lookups of its prefixes), not the number of keys; walks
+    of the tree skip the subtrees it cannot reach."""
     if keys is None:
         return None
     if isinstance(keys, str):
         raise TypeError("keys must be a list of dotted key strings")
-    wanted = set(keys)
+    wanted = list(keys)
     if not all(isinstance(k, str) for k in wanted):
         raise TypeError("keys must be a list of dotted key strings")
-
-    def keep(key: str) -> bool:
-        if key in wanted:
-            return True
-        dot = key.find(".")
-        while dot >= 0:
-            if key[:dot] in wanted:
-                return True
-            dot = key.find(".", dot + 1)
-        return False
-
-    return keep
+    return tree_mod.KeyFilter(wanted)
 
 
 def _numpy_new(entry: TensorEntry) -> tuple[Any, np.ndarray, Finish]:
@@ -181,7 +171,7 @@ class LoadPlan:
     key_of: dict[int, str]
     also: dict[int, list[str]]
     dests: dict[str, Any]
-    keep: Callable[[str], bool] | None
+    keep: tree_mod.KeyFilter | None
     #: where new torch tensors are made: a device seam (pipeline/device.py), None for host
     device: Any = None
 
@@ -203,7 +193,7 @@ def plan_load(manifest: Manifest, into: Any = None, keys: Iterable[str] | None =
     key_of = tree_mod.leaf_keys(manifest.tree, keep)  # tied tensors: by a selected path
     selected = [i for i in range(len(manifest.tensors)) if i in key_of]
     if keep is not None:
-        _check_keys_exist(manifest, keys or [])
+        _check_keys_exist(manifest, keys or [], keep)
     dests = tree_mod.flatten_arrays(into) if into is not None else {}
     tied = tree_mod.tied_keys(manifest.tree, keep) if dests else {}
     also = {i: [k for k in extra if k in dests and dests[k] is not dests.get(key_of[i])]
@@ -465,11 +455,13 @@ def _copy_into(dest: Any, value: Any) -> None:
         dest.copy_(value)
 
 
-def _check_keys_exist(manifest: Manifest, keys: Iterable[str]) -> None:
+def _check_keys_exist(manifest: Manifest, keys: Iterable[str], keep: tree_mod.KeyFilter
+                      ) -> None:
     """Every requested key must name something in the checkpoint (a leaf or a subtree):
-    O(leaves x depth + keys), with every leaf key's prefixes in one set."""
+    O(reached leaves x depth + keys), with every reached leaf key's prefixes in one set (the
+    subtrees `keep` cannot reach hold none of the keys)."""
     names: set[str] = set()
-    for a in _all_leaf_keys(manifest.tree):
+    for a in _leaf_keys_reached(manifest.tree, keep):
         names.add(a)
         dot = a.find(".")
         while dot >= 0:
@@ -480,17 +472,21 @@ def _check_keys_exist(manifest: Manifest, keys: Iterable[str]) -> None:
         raise KeyMismatchError(f"checkpoint {manifest.name!r} has no key(s) {missing[:10]}")
 
 
-def _all_leaf_keys(node: Any, path: tuple[str | int, ...] = ()) -> list[str]:
+def _leaf_keys_reached(node: Any, keep: tree_mod.KeyFilter,
+                       path: tuple[str | int, ...] = ()) -> list[str]:
+    """The dotted keys of the leaves (of any kind) under `node` that `keep` can reach."""
     kind, value = tree_mod.node_kind(node)
-    if kind in ("dict", "odict"):
-        return [k for (_t, key), child in value for k in _all_leaf_keys(child, (*path, key))]
-    if kind in ("list", "tuple"):
-        return [k for i, child in enumerate(value) for k in _all_leaf_keys(child, (*path, i))]
+    if kind in ("dict", "odict", "list", "tuple"):
+        if path and not keep.reaches(tree_mod.key_string(path)):
+            return []
+        items = ([(key, child) for (_t, key), child in value] if kind in ("dict", "odict")
+                 else list(enumerate(value)))
+        return [k for key, child in items for k in _leaf_keys_reached(child, keep, (*path, key))]
     return [tree_mod.key_string(path)]
 
 
 def _check_into(manifest: Manifest, selected: list[int], key_of: dict[int, str],
-                dests: dict[str, Any], strict: bool, keep: Callable[[str], bool] | None,
+                dests: dict[str, Any], strict: bool, keep: tree_mod.KeyFilter | None,
                 also_stored: Iterable[str] = ()) -> None:
     """Check that every destination found for a selected tensor can receive it in place (and,
     if `strict`, that every destination has a tensor: one at `key_of` or at `also_stored`,

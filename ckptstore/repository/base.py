@@ -282,7 +282,8 @@ class CheckpointStore:
         except ObjectNotFoundError:
             return None
         try:
-            return parse_manifest(raw, name, self.hash, segments_in(store, self.hash))
+            return parse_manifest(raw, name, self.hash,
+                                  segments_in([store, *(t.store for t in self.tiers)], self.hash))
         except FormatError as exc:
             raise FormatError(f"checkpoint {name!r} in {store.uri}: {exc}") from None
 

@@ -75,6 +75,9 @@ class Catalog:
         #: (name, size, mtime) of a listed manifest -> its created: read once per object
         self._heads: dict[tuple[str, int, float], float] = {}
         self._lock = threading.Lock()
+        #: stores read for an index segment this store lacks or holds damaged (a tiered
+        #: store's later tiers; see layout.segments_in)
+        self.segment_fallbacks: list[Store] = []
 
     # ------------------------------------------------------------------ manifests
     def manifest(self, name: str, *, cache: bool = True) -> Manifest:
@@ -107,7 +110,8 @@ class Catalog:
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.store.uri}"
                                           ) from None
         try:
-            return parse_manifest(raw, name, self.hash, segments_in(self.store, self.hash))
+            return parse_manifest(raw, name, self.hash,
+                                  segments_in([self.store, *self.segment_fallbacks], self.hash))
         except FormatError as exc:
             raise FormatError(f"checkpoint {name!r} in {self.store.uri}: {exc}") from None
 

@@ -361,7 +361,7 @@ class SingleStore(CheckpointStore, kind="single"):
             # when they provably equal that parse, else the parse of the committed bytes
             manifest = committed_manifest(manifest, writer.committed or manifest.to_bytes(),
                                           expected_name=name,
-                                          segments=segments_in(self.store, self.hash))
+                                          segments=segments_in([self.store], self.hash))
             self.catalog.remember(manifest)
         s = writer.stats
         info = SaveInfo(name=name, tensors=len(leaves),

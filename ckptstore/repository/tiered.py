@@ -86,6 +86,9 @@ class TieredStore(CheckpointStore, kind="tiered"):
             raise
         self.near = near
         self.tiers = opened
+        for i, tier in enumerate(opened):  # an index segment bad on a tier: the later ones
+            if isinstance(tier, SingleStore):
+                tier.catalog.segment_fallbacks = [t.store for t in opened[i + 1:]]
         self.store = near.store
         self.uri = near.uri
         self.save_options = near.save_options

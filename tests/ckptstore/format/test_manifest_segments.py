@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,7 @@ def test_partial_load_reads_only_the_segments_it_needs(tmp_path: Path) -> None:
     out = fresh.load("a", keys=[key])
     assert list(out) == [key] and out[key].tobytes() == state[key].tobytes()
     assert [c.name for c in fresh.list()] == ["a"]  # listing reads roots only
-    with pytest.raises(FormatError, match="index segment .* is missing"):
+    with pytest.raises(FormatError, match="index segment .* has no good copy: missing from"):
         CheckpointStore(str(tmp_path)).load("a")
 
 
@@ -176,14 +177,36 @@ def test_gc_keeps_segments_of_live_checkpoints_and_reclaims_the_rest(tmp_path: P
     assert out["layers.5.w"][0] == 6
 
 
-def test_replication_to_a_far_tier_carries_the_segments(tmp_path: Path) -> None:
+def replicated(tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
+    """The near and far folders of a tiered store holding big_state() as "a", replicated."""
     near, far = tmp_path / "near", tmp_path / "far"
     state = big_state()
     with ckptstore.CheckpointStore([str(near), str(far)]) as repo:
         repo.save("a", state)
         repo.wait_replicated(timeout=60)
+    return near, far, state
+
+
+def test_replication_to_a_far_tier_carries_the_segments(tmp_path: Path) -> None:
+    _near, far, state = replicated(tmp_path)
     assert_loaded(CheckpointStore(str(far)).load("a"), state)
     assert CheckpointStore(str(far)).verify("a").problems == []
+
+
+def test_a_segment_bad_on_the_near_tier_is_read_from_the_far_tier(tmp_path: Path) -> None:
+    near, far, state = replicated(tmp_path)
+    refs = root(near, "a")["segments"]
+    damaged = segment_path(near, refs[0]["digest"])
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"?")
+    segment_path(near, refs[1]["digest"]).unlink()
+    with ckptstore.CheckpointStore([str(near), str(far)]) as repo:
+        with pytest.warns(RuntimeWarning, match="read from"):
+            assert_loaded(repo.load("a"), state)
+    segment_path(far, refs[1]["digest"]).unlink()  # now no tier has a good copy
+    with ckptstore.CheckpointStore([str(near), str(far)]) as repo, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # segment 0: from far, as above
+        with pytest.raises(FormatError, match="no good copy: missing from .*near.*; missing"):
+            repo.load("a")
 
 
 def test_root_damage_is_refused(tmp_path: Path) -> None:
@@ -194,7 +217,8 @@ def test_root_damage_is_refused(tmp_path: Path) -> None:
 
     def parse(d: dict[str, Any]) -> Any:
         from ckptstore.layout import segments_in
-        m = parse_manifest(sealed_manifest(d), "a", repo.hash, segments_in(repo.store, repo.hash))
+        m = parse_manifest(sealed_manifest(d), "a", repo.hash,
+                           segments_in([repo.store], repo.hash))
         return list(m.tensors)
 
     wrong_count = json.loads(json.dumps(doc))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
+from ckptstore.format.manifest import SEGMENTED_VERSION
 from tests import dist_worker
 from tests.helpers import spawn_ranks
 
@@ -41,6 +42,20 @@ def test_save_on_2_load_on_1_and_3(tmp_path, mode):
         assert not any(n.startswith("step-4") or n.startswith("step-5")
                        for n in CheckpointStore(root).names())
         assert manifest.metadata["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_many_tensors_commit_a_segmented_manifest_on_2_and_load_on_3(tmp_path):
+    """A collective save of more than 1,024 tensors commits a version-3 manifest (root plus
+    index segments); it loads whole in one process and resharded on 3 ranks."""
+    root = tmp_path / "repo"
+    run(dist_worker.save_worker, 2, tmp_path, root, "many", "save")
+    check_single_process(root)
+    manifest = CheckpointStore(root).manifest("step-3")
+    assert manifest.version == SEGMENTED_VERSION and len(manifest.segment_refs()) > 1
+    state = CheckpointStore(root).load("step-3", keys=["many.t1234"])
+    assert torch.equal(state["many"]["t1234"], torch.full((3,), 1234.0))
+    run(dist_worker.load_worker, 3, tmp_path, root, "many", "load3")
 
 
 def test_save_on_3_load_on_2(tmp_path):
