@@ -16,7 +16,7 @@ import json
 import json.encoder
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,7 +25,7 @@ from .canonical import canonical_str, seal
 from .codecs import Codec
 from .dtypes import DTYPES, DType
 from .hashing import HASH_NAME, hash_algorithm
-from .segment_encoding import SegmentRef, segment_blobs
+from .segment_encoding import ChunkTable, SegmentRef, segment_blobs
 
 _json_str = json.encoder.encode_basestring  # json.dumps' string writer (ensure_ascii=False)
 FORMAT_NAME = "ckptstore.manifest"
@@ -251,8 +251,28 @@ class Manifest:
 
     def blob_digests(self) -> set[str]:
         """Every blob the checkpoint needs: its chunks' and (version 3) its index segments'."""
-        blobs = {c.blob for t in self.tensors for c in t.chunks}
-        return blobs | {r.digest for r in self.segment_refs()}
+        return set(self.blob_extents())
+
+    def blob_extents(self, tables: Iterable[ChunkTable] | None = None) -> dict[str, int]:
+        """{blob: the bytes of it the checkpoint uses}: the furthest chunk's offset + size,
+        an index segment whole (a copy of a blob shorter than that cannot serve it).
+        `tables`: this manifest's `chunk_tables()` where the caller already has them."""
+        ext = {r.digest: r.size for r in self.segment_refs()}
+        for table in self.chunk_tables() if tables is None else tables:
+            for blob, end in table.extents().items():
+                if end > ext.get(blob, -1):
+                    ext[blob] = end
+        return ext
+
+    def chunk_tables(self) -> Iterator[ChunkTable]:
+        """Every chunk reference as columns: one table per index segment (version 3 read from
+        a store: its segments' bytes, no entries built), else one for all the entries. For
+        passes over many checkpoints (space accounting, gc)."""
+        tables = getattr(self.tensors, "chunk_tables", None)
+        if tables is not None:
+            yield from tables()
+        else:
+            yield ChunkTable.of(self.tensors)
 
     def segment_refs(self) -> list[SegmentRef]:
         """The index segments of a version-3 manifest, in order ([] for earlier versions)."""

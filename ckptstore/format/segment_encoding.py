@@ -1,8 +1,9 @@
 """Writing index segments, the per-tensor part of a version-3 manifest (docs/format.md §3b):
 where a manifest is cut into segments and the bytes of each. `segments` reads them back.
 
-Segment bytes: MAGIC, a u32 little-endian header length, the canonical JSON header, then the
-chunk table as columns (blob table of 16-byte digests, then per chunk: u32 blob index, u64
+Segment bytes: MAGIC, then as u32 little-endian the JSON header's length, the blob count and
+the chunk count, the canonical JSON header (the tensor records), then the chunk table as
+columns (blob table of 16-byte digests, then per chunk: u32 blob index, u64
 offset, u64 size, u64 nbytes, 16-byte digest). Only entries that pass `entry_problem` are
 encoded; equal entries give equal bytes, so an unchanged segment is the same blob.
 """
@@ -10,7 +11,7 @@ encoded; equal entries give equal bytes, so an unchanged segment is the same blo
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ MAX_SEGMENT_TENSORS = 4096
 MAX_SEGMENT_CHUNKS = 1 << 16  # a segment is cut before a tensor that would pass this
 #: No segment may be larger (bounds a reader's allocation; a root lists each one's size).
 MAX_SEGMENT_BYTES = 1 << 28
-HEADER = struct.Struct("<8sI")
+HEADER = struct.Struct("<8sIII")  # magic, JSON header length, blobs, chunks
 DIGEST_BYTES = 16
 CHUNK_COLUMNS = (("<u4", 4), ("<u8", 8), ("<u8", 8), ("<u8", 8))  # blob, offset, size, nbytes
 
@@ -55,6 +56,46 @@ class SegmentRef:
     def to_json(self) -> dict[str, Any]:
         return {"digest": self.digest, "nbytes": self.nbytes, "size": self.size,
                 "tensors": self.tensors}
+
+
+@dataclass(frozen=True)
+class ChunkTable:
+    """The chunk references of some tensor entries as columns: chunk j lies in blob
+    `blobs[blob_index[j]]` at `offsets[j]`, `sizes[j]` bytes long. What space accounting and
+    gc need, read from a segment without building its entries (segments.chunk_table)."""
+
+    blobs: tuple[str, ...]
+    blob_index: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+
+    @classmethod
+    def of(cls, entries: Sequence[TensorEntry]) -> ChunkTable:
+        blobs: dict[str, int] = {}
+        index: list[int] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        for t in entries:
+            for c in t.chunks:
+                index.append(blobs.setdefault(c.blob, len(blobs)))
+                offsets.append(c.offset)
+                sizes.append(c.size)
+        return cls(tuple(blobs), np.asarray(index, dtype=np.int64),
+                   np.asarray(offsets, dtype=np.uint64), np.asarray(sizes, dtype=np.uint64))
+
+    def extents(self) -> dict[str, int]:
+        """Each blob some chunk uses -> the furthest byte a chunk uses in it."""
+        if not len(self.blob_index):
+            return {}
+        ends = np.zeros(len(self.blobs), dtype=np.uint64)
+        np.maximum.at(ends, self.blob_index, self.offsets + self.sizes)
+        return {self.blobs[i]: int(ends[i]) for i in np.unique(self.blob_index).tolist()}
+
+    def ranges(self) -> Iterator[tuple[str, int, int]]:
+        """(blob, offset, size) of every chunk."""
+        names = self.blobs
+        return zip([names[i] for i in self.blob_index.tolist()], self.offsets.tolist(),
+                   self.sizes.tolist())
 
 
 def is_segmented(entries: Sequence[TensorEntry]) -> bool:
@@ -118,9 +159,9 @@ def encode(entries: Sequence[TensorEntry]) -> bytes:
             columns[1].append(c.size)
             columns[2].append(c.nbytes)
             digests.append(c.digest)
-    header = canonical_str({"blobs": len(blobs), "chunks": len(index),
-                            "tensors": [_record(t) for t in entries]}).encode("utf-8")
-    parts = [HEADER.pack(MAGIC, len(header)), header, bytes.fromhex("".join(blobs)),
+    header = canonical_str({"tensors": [_record(t) for t in entries]}).encode("utf-8")
+    parts = [HEADER.pack(MAGIC, len(header), len(blobs), len(index)), header,
+             bytes.fromhex("".join(blobs)),
              np.asarray(index, dtype="<u4").tobytes()]
     parts += [np.asarray(col, dtype="<u8").tobytes() for col in columns]
     parts.append(bytes.fromhex("".join(digests)))

@@ -40,12 +40,13 @@ from .segment_encoding import (
     HEADER,
     MAGIC,
     MAX_SEGMENT_BYTES,
+    ChunkTable,
     SegmentRef,
     is_segmented,
 )
 
-__all__ = ["MAX_SEGMENT_BYTES", "SegmentRef", "SegmentSource", "SegmentedEntries", "decode",
-           "version_for"]
+__all__ = ["MAX_SEGMENT_BYTES", "ChunkTable", "SegmentRef", "SegmentSource",
+           "SegmentedEntries", "chunk_table", "decode", "version_for"]
 
 
 def version_for(entries: Sequence[TensorEntry]) -> int:
@@ -67,37 +68,64 @@ def decode(data: bytes, ref: SegmentRef, where: str) -> list[TensorEntry]:
         raise FormatError(f"{where}: index segment {ref.digest}: {exc}") from None
 
 
-def _decode(data: bytes, ref: SegmentRef) -> list[TensorEntry]:
+def _frame(data: bytes, ref: SegmentRef, *, records: bool = True
+           ) -> tuple[list[Any], list[str], int, int]:
+    """Check a segment's framing against its ref: (tensor records, or [] without `records`:
+    the JSON header is then not parsed; blob table; chunk count; where the chunk columns
+    begin)."""
     if len(data) != ref.size or len(data) < HEADER.size:
         raise FormatError(f"{len(data)} bytes, the root lists {ref.size}")
-    magic, hlen = HEADER.unpack_from(data)
+    magic, hlen, nblobs, nchunks = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise FormatError("not a ckptstore index segment")
-    try:
-        header = json.loads(data[HEADER.size:HEADER.size + hlen].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FormatError(f"header is not valid JSON: {exc}") from None
-    if (type(header) is not dict or header.keys() != {"blobs", "chunks", "tensors"}
-            or type(nblobs := header["blobs"]) is not int or nblobs < 0
-            or type(nchunks := header["chunks"]) is not int or nchunks < 0
-            or type(records := header["tensors"]) is not list):
-        raise FormatError("header must be {blobs, chunks, tensors}")
-    if len(records) != ref.tensors:
-        raise FormatError(f"holds {len(records)} tensor(s), the root lists {ref.tensors}")
     pos = HEADER.size + hlen
     want = pos + nblobs * DIGEST_BYTES + nchunks * (4 + 8 + 8 + 8 + DIGEST_BYTES)
     if len(data) != want:
         raise FormatError(f"{len(data)} bytes, its header implies {want}")
+    found: list[Any] = []
+    if records:
+        try:
+            header = json.loads(data[HEADER.size:pos].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise FormatError(f"header is not valid JSON: {exc}") from None
+        if (type(header) is not dict or header.keys() != {"tensors"}
+                or type(found := header["tensors"]) is not list):
+            raise FormatError("header must be {tensors}")
+        if len(found) != ref.tensors:
+            raise FormatError(f"holds {len(found)} tensor(s), the root lists {ref.tensors}")
     blob_names = _hexes(data[pos:pos + nblobs * DIGEST_BYTES])
-    pos += nblobs * DIGEST_BYTES
-    cols: list[list[int]] = []
+    return found, blob_names, nchunks, pos + nblobs * DIGEST_BYTES
+
+
+def _columns(data: bytes, nchunks: int, pos: int, nblobs: int) -> list[np.ndarray]:
+    """The chunk columns (blob index, offset, size, nbytes) starting at `pos`."""
+    cols = []
     for dtype, width in CHUNK_COLUMNS:
-        cols.append(np.frombuffer(data, dtype=dtype, count=nchunks, offset=pos).tolist())
+        cols.append(np.frombuffer(data, dtype=dtype, count=nchunks, offset=pos))
         pos += width * nchunks
-    blob_index, offsets, sizes, nbytes = cols
-    digests = _hexes(data[pos:])
-    if blob_index and max(blob_index) >= nblobs:
+    if nchunks and int(cols[0].max()) >= nblobs:
         raise FormatError("a chunk names a blob outside the blob table")
+    return cols
+
+
+def chunk_table(data: bytes, ref: SegmentRef, where: str) -> ChunkTable:
+    """The chunk references of segment `ref` from its bytes (already matched to its digest),
+    without parsing, building or validating its entries: its framing is checked (FormatError,
+    prefixed by `where`), the entries' own rules are `decode`'s."""
+    try:
+        _records, blob_names, nchunks, pos = _frame(data, ref, records=False)
+        blob_index, offsets, sizes, _nbytes = _columns(data, nchunks, pos, len(blob_names))
+    except FormatError as exc:
+        raise FormatError(f"{where}: index segment {ref.digest}: {exc}") from None
+    return ChunkTable(tuple(blob_names), blob_index.astype(np.int64), offsets, sizes)
+
+
+def _decode(data: bytes, ref: SegmentRef) -> list[TensorEntry]:
+    records, blob_names, nchunks, pos = _frame(data, ref)
+    arrays = _columns(data, nchunks, pos, len(blob_names))
+    blob_index, offsets, sizes, nbytes = (a.tolist() for a in arrays)
+    pos += sum(width for _dtype, width in CHUNK_COLUMNS) * nchunks
+    digests = _hexes(data[pos:])
     out: list[TensorEntry] = []
     at = 0
     for i, rec in enumerate(records):
@@ -178,14 +206,28 @@ class SegmentedEntries(Sequence[TensorEntry]):
         with self._lock:
             got = self._parsed.get(s)
             if got is None:
-                if self._source is None:
-                    raise FormatError(f"{self._where}: its index segments are not available "
-                                      "here (only the manifest root was read)")
                 ref = self.refs[s]
-                data = self._source(ref)
+                data = self._bytes(ref)
                 with paused_collector():  # a short CPU-bound step: see collector.py
                     got = self._parsed[s] = decode(data, ref, self._where)
             return got
+
+    def _bytes(self, ref: SegmentRef) -> bytes:
+        if self._source is None:
+            raise FormatError(f"{self._where}: its index segments are not available here "
+                              "(only the manifest root was read)")
+        return self._source(ref)
+
+    def chunk_tables(self) -> Iterator[ChunkTable]:
+        """The chunk references of each segment in order, as columns: a segment already
+        parsed from its entries, any other straight from its bytes (not kept, no entries
+        built; see `chunk_table`)."""
+        for s, ref in enumerate(self.refs):
+            got = self._parsed.get(s)
+            if got is not None:
+                yield ChunkTable.of(got)
+                continue
+            yield chunk_table(self._bytes(ref), ref, self._where)
 
     @overload
     def __getitem__(self, i: int) -> TensorEntry: ...

@@ -103,16 +103,6 @@ def fetch_verified(blob: str, sources: Sequence[Store], algorithm: HashAlgorithm
                          "committed in the destination")
 
 
-def blob_extents(manifest: Manifest) -> dict[str, int]:
-    """{blob: the bytes of it the manifest uses} (offset + size of its furthest chunk): a
-    copy of the blob shorter than that cannot serve the checkpoint."""
-    sizes = {r.digest: r.size for r in manifest.segment_refs()}
-    for t in manifest.tensors:
-        for c in t.chunks:
-            sizes[c.blob] = max(sizes.get(c.blob, 0), c.offset + c.size)
-    return sizes
-
-
 def transfer(names: Iterable[str], sources: Sequence[Store], dst: Store,
              algorithm: HashAlgorithm, *, repair: bool = False, workers: int = 8,
              max_inflight_bytes: int = 256 * MiB, progress: Progress | None = None,
@@ -148,7 +138,7 @@ def transfer(names: Iterable[str], sources: Sequence[Store], dst: Store,
         todo = [n for n in found if n not in result.skipped]
         sizes: dict[str, int] = {}
         for name in (found if repair else todo):
-            for blob, extent in blob_extents(found[name][1]).items():
+            for blob, extent in found[name][1].blob_extents().items():
                 sizes[blob] = max(sizes.get(blob, 0), extent)
         known = set() if repair else _committed_blobs(dst, [found[n][1] for n in todo],
                                                       algorithm)
@@ -220,5 +210,5 @@ def _missing(dst: Store, blobs: list[str], pool: cf.ThreadPoolExecutor,
     return [b for b, ok in zip(blobs, found) if not ok]
 
 
-__all__ = ["LIST_ABOVE", "METADATA_THREADS", "TransferResult", "blob_extents",
+__all__ = ["LIST_ABOVE", "METADATA_THREADS", "TransferResult",
            "fetch_verified", "read_manifest", "transfer"]

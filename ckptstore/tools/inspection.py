@@ -127,14 +127,13 @@ def describe_tensor(entry: TensorEntry) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- sizes
 def blob_extents(manifests: Iterable[Manifest]) -> dict[str, int]:
-    """Blob digest -> the furthest byte any chunk of these manifests uses in it."""
+    """Blob digest -> the furthest byte any of these manifests uses in it
+    (`Manifest.blob_extents`)."""
     ext: dict[str, int] = {}
     for m in manifests:
-        for t in m.tensors:
-            for c in t.chunks:
-                end = c.offset + c.size
-                if end > ext.get(c.blob, -1):
-                    ext[c.blob] = end
+        for blob, end in m.blob_extents().items():
+            if end > ext.get(blob, -1):
+                ext[blob] = end
     return ext
 
 
@@ -192,17 +191,20 @@ class UsageScan:
         self._ranges: set[tuple[str, int, int]] | None = set() if live else None
 
     def add(self, manifest: Manifest) -> None:
+        """Account one checkpoint: the blobs of its chunks and of its index segments (version
+        3: read as chunk tables, no entries built)."""
         ext, interned, ranges = self._extents, self._interned, self._ranges
+        tables = list(manifest.chunk_tables())
         blobs: set[str] = set()
-        for t in manifest.tensors:
-            for c in t.chunks:
-                blob = interned.setdefault(c.blob, c.blob)
-                blobs.add(blob)
-                end = c.offset + c.size
-                if end > ext.get(blob, -1):
-                    ext[blob] = end
-                if ranges is not None:
-                    ranges.add((blob, c.offset, c.size))
+        for blob, end in manifest.blob_extents(tables).items():
+            blob = interned.setdefault(blob, blob)
+            blobs.add(blob)
+            if end > ext.get(blob, -1):
+                ext[blob] = end
+        if ranges is not None:
+            for table in tables:
+                ranges.update((interned[b], o, n) for b, o, n in table.ranges())
+            ranges.update((interned[r.digest], 0, r.size) for r in manifest.segment_refs())
         self._rows.append((manifest.name, manifest.logical_bytes, frozenset(blobs)))
 
     @property

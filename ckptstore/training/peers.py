@@ -57,7 +57,6 @@ from ..errors import (
 from ..format.manifest_parse import parse_manifest
 from ..format.names import validate_key, validate_prefix
 from ..layout import blob_key, manifest_key
-from ..maintenance.transfer import blob_extents
 from ..pipeline.options import METADATA_THREADS
 from ..repository import CheckpointStore
 from ..stores.base import Buffer, ObjectInfo, Store, check_range, short_read
@@ -579,7 +578,7 @@ def _whole(repo: CheckpointStore, name: str) -> Held | None:
         sizes = _sizes(repo.store, manifest)
     except CkptStoreError:
         return None
-    if any(sizes.get(b, -1) < n for b, n in blob_extents(manifest).items()):
+    if any(sizes.get(b, -1) < n for b, n in manifest.blob_extents().items()):
         return None
     world = manifest.metadata.get("world_size")
     return Held(name, manifest.created, world if type(world) is int else None)

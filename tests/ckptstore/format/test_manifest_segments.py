@@ -24,12 +24,14 @@ from ckptstore.format.manifest import FORMAT_VERSION, SEGMENTED_VERSION
 from ckptstore.format.manifest_parse import parse_manifest
 from ckptstore.format.segment_encoding import (
     SEGMENTED_ABOVE_TENSORS,
+    ChunkTable,
     SegmentRef,
     cut,
     encode,
 )
-from ckptstore.format.segments import SegmentedEntries, decode
+from ckptstore.format.segments import SegmentedEntries, chunk_table, decode
 from ckptstore.layout import blob_key
+from ckptstore.tools import inspection
 from tests.helpers import sealed_manifest
 
 N = SEGMENTED_ABOVE_TENSORS + 1500  # well above the threshold: several segments
@@ -177,6 +179,37 @@ def test_gc_keeps_segments_of_live_checkpoints_and_reclaims_the_rest(tmp_path: P
     assert out["layers.5.w"][0] == 6
 
 
+def test_space_accounting_counts_segments_and_builds_no_entries(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ckpt ls / du and gc read a version-3 checkpoint's chunk tables straight from its
+    segments (no TensorEntry is built) and count the segments as the referenced blobs they
+    are: after two saves nothing is unreferenced, and each checkpoint's unique bytes are its
+    own segments and changed chunks."""
+    with CheckpointStore(str(tmp_path)) as repo:
+        repo.save("a", big_state())
+        repo.save("b", big_state(bump=5))
+        want = {n: repo.manifest(n).blob_extents() for n in ("a", "b")}  # entries parsed
+    seg = {n: {s["digest"]: s["size"] for s in root(tmp_path, n)["segments"]} for n in "ab"}
+    for n in "ab":
+        assert seg[n].items() <= want[n].items()
+
+    def no_entries(*_args: Any) -> None:
+        raise AssertionError("a listing decoded an index segment's entries")
+
+    monkeypatch.setattr("ckptstore.format.segments.decode", no_entries)
+    fresh = CheckpointStore(str(tmp_path), create=False)
+    assert {n: fresh.manifest(n).blob_extents() for n in "ab"} == want
+    usage = inspection.usage(
+        [fresh.manifest(n) for n in "ab"],
+        {p.name: p.stat().st_size for p in (tmp_path / "blobs").rglob("*") if p.is_file()})
+    assert usage.unreferenced_blobs == 0 and usage.missing_blobs == ()
+    only_a = set(want["a"]) - set(want["b"])
+    assert set(seg["a"]) - set(seg["b"]) <= only_a
+    a_use = usage.checkpoints[0]
+    assert a_use.unique_bytes == sum(want["a"][b] for b in only_a)
+    assert fresh.gc(grace_seconds=0, dry_run=True).deleted == []
+
+
 def replicated(tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
     """The near and far folders of a tiered store holding big_state() as "a", replicated."""
     near, far = tmp_path / "near", tmp_path / "far"
@@ -273,6 +306,16 @@ def test_encode_decode_is_exact_and_deterministic() -> None:
     assert [i for s in spans for i in s] == list(range(len(ENTRIES)))
 
 
+def test_a_chunk_table_read_from_the_bytes_equals_the_entries_chunks() -> None:
+    table, want = chunk_table(SEGMENT, REF, "x"), ChunkTable.of(ENTRIES)
+    assert list(table.ranges()) == list(want.ranges()) == [
+        (c.blob, c.offset, c.size) for t in ENTRIES for c in t.chunks]
+    assert table.extents() == want.extents()
+    assert table.extents() == {b: max(c.offset + c.size for t in ENTRIES for c in t.chunks
+                                      if c.blob == b)
+                               for b in {c.blob for t in ENTRIES for c in t.chunks}}
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, len(SEGMENT) - 1), st.integers(1, 255))
 def test_a_flipped_byte_is_refused_or_decodes_to_valid_entries(pos: int, xor: int) -> None:
@@ -280,6 +323,12 @@ def test_a_flipped_byte_is_refused_or_decodes_to_valid_entries(pos: int, xor: in
     returns passes the entry rules."""
     data = bytearray(SEGMENT)
     data[pos] ^= xor
+    try:
+        table = chunk_table(bytes(data), REF, "x")
+        assert len(table.blob_index) == len(table.offsets) == len(table.sizes)
+        assert all(0 <= i < len(table.blobs) for i in table.blob_index.tolist())
+    except FormatError:
+        pass
     try:
         out = decode(bytes(data), REF, "x")
     except FormatError:
@@ -290,5 +339,8 @@ def test_a_flipped_byte_is_refused_or_decodes_to_valid_entries(pos: int, xor: in
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, len(SEGMENT) - 1))
 def test_a_truncated_segment_is_refused(n: int) -> None:
+    ref = SegmentRef("0" * 32, n, len(ENTRIES), REF.nbytes)
     with pytest.raises(FormatError):
-        decode(SEGMENT[:n], SegmentRef("0" * 32, n, len(ENTRIES), REF.nbytes), "x")
+        decode(SEGMENT[:n], ref, "x")
+    with pytest.raises(FormatError):
+        chunk_table(SEGMENT[:n], ref, "x")
