@@ -32,6 +32,8 @@ LOCK_PREFIX = "locks/"
 SWEEP_KEY = f"{LOCK_PREFIX}sweep.json"
 LEASE_KINDS = ("save", "gc")
 REPLICATION_PREFIX = "replication/"
+#: a hint of the commit order (repository/order_hint.py): derived data, never authoritative
+ORDER_HINT_KEY = "catalog/order.json"
 
 
 def blob_key(hex_digest: str) -> str:

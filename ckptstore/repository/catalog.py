@@ -7,7 +7,8 @@ later than the newest checkpoint it saw): canonical JSON sorts keys, so a manife
 with `{"created":<time>,"format":"ckptstore.manifest"`, and the order is read from the first
 96 bytes of each manifest (ranged reads, METADATA_THREADS at a time), once per manifest
 object: a listing whose name, size and modification time are unchanged reuses the time read
-before, so a save in a repository of 500 checkpoints costs one listing, not 500 reads. Only
+before, so a save in a repository of 500 checkpoints costs one listing, not 500 reads; a
+fresh process starts from the times a saving process recorded (order_hint.py). Only
 the manifests asked for are parsed; a pass over every manifest (`scan`, and `manifest(name,
 cache=False)` for list, gc) does not cache what it reads, so it holds one parsed manifest at a
 time. `latest` is the newest whole checkpoint in that order, never a stored pointer.
@@ -30,6 +31,7 @@ from ..format.manifest_parse import parse_manifest
 from ..layout import MANIFEST_PREFIX, manifest_key, name_of_manifest_key, segments_in
 from ..pipeline.options import METADATA_THREADS
 from ..stores.base import ObjectInfo, Store
+from .order_hint import WRITE_AFTER_HEADS, Heads, read_hint, write_hint
 
 # canonical JSON sorts keys, so every manifest starts with its creation time
 _HEADER_RE = re.compile(rb'\{"created":(-?[0-9][0-9.eE+-]*),"format":"ckptstore\.manifest"')
@@ -73,7 +75,8 @@ class Catalog:
         #: {name: created} as last listed (see `known_created`); None: never listed
         self._seen: dict[str, float] | None = None
         #: (name, size, mtime) of a listed manifest -> its created: read once per object
-        self._heads: dict[tuple[str, int, float], float] = {}
+        self._heads: Heads = {}
+        self._hint_read = False
         self._lock = threading.Lock()
         #: stores read for an index segment this store lacks or holds damaged (a tiered
         #: store's later tiers; see layout.segments_in)
@@ -215,9 +218,17 @@ class Catalog:
         return None
 
     # ------------------------------------------------------------------ commit order
-    def order(self) -> list[tuple[float, str]]:
-        """(created, name) of this store's checkpoints, in commit order (oldest first)."""
+    def order(self, *, save_hint: bool = False) -> list[tuple[float, str]]:
+        """(created, name) of this store's checkpoints, in commit order (oldest first). The
+        first call starts from the commit-order hint (order_hint.py); with `save_hint` (a
+        saving process: it writes to the store anyway) the hint is saved again when this call
+        had to read more than WRITE_AFTER_HEADS heads."""
         listed = self._listed()
+        if not self._hint_read:
+            hint = read_hint(self.store)
+            with self._lock:
+                self._hint_read = True
+                self._heads = {**hint, **self._heads}
         with self._lock:
             known = {name: self._heads.get((name, info.size, info.mtime))
                      for name, info in listed.items()}
@@ -227,9 +238,12 @@ class Catalog:
                 found = list(pool.map(lambda n: self._created(n, listed[n].size), unknown))
             known.update(zip(unknown, found))
         order = sorted((c, name) for name, c in known.items() if c is not None)
+        heads = {(n, listed[n].size, listed[n].mtime): c for c, n in order}
         with self._lock:
             self._seen = {name: c for c, name in order}
-            self._heads = {(n, listed[n].size, listed[n].mtime): c for c, n in order}
+            self._heads = heads
+        if save_hint and len(unknown) > WRITE_AFTER_HEADS:
+            write_hint(self.store, heads)
         return order
 
     def newest_whole(self, order: list[tuple[float, str]]) -> str | None:

@@ -214,7 +214,7 @@ class SingleStore(CheckpointStore, kind="single"):
             metadata = json.loads(canonical_json(metadata))
         except (TypeError, ValueError) as exc:
             raise UnsupportedTypeError(f"metadata must be JSON-serializable: {exc}") from None
-        order = self.catalog.order()
+        order = self.catalog.order(save_hint=True)
         if name in later.taken or name in {n for _c, n in order} or self.exists(name):
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in {self.uri}; it "
                                         "was not touched")

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import ckptstore.pipeline.writer as writer_module
 import ckptstore.repository.catalog as catalog_module
+import ckptstore.repository.order_hint as order_hint
 from ckptstore import CheckpointStore, FormatError, MemoryStore
+from ckptstore.format.canonical import canonical_json, seal
+from ckptstore.layout import ORDER_HINT_KEY
 
 
 class CountingStore(MemoryStore):
@@ -57,3 +62,74 @@ def test_a_manifest_over_the_cap_is_refused_before_anything_is_committed(tmp_pat
         repo.save("big", {f"t{i}": torch.ones(2) for i in range(50)})
     assert repo.names() == ["small"]  # no unreadable manifest left behind
     assert repo.gc(grace_seconds=0).deleted_blobs >= 0  # gc still runs
+
+
+def saved(repo: CheckpointStore, names: list[str]) -> None:
+    for n in names:
+        repo.save(n, {"w": torch.full((4,), float(len(n)))})
+
+
+def test_a_fresh_process_starts_from_the_commit_order_a_saving_process_recorded(monkeypatch):
+    monkeypatch.setattr(catalog_module, "WRITE_AFTER_HEADS", 3)
+    store = CountingStore()
+    with CheckpointStore(store) as repo:
+        saved(repo, [f"s{i}" for i in range(6)])
+    assert not store.exists(ORDER_HINT_KEY)  # no process read more than 3 heads yet
+    CheckpointStore(store).history()  # a reader: reads every head, records nothing
+    assert not store.exists(ORDER_HINT_KEY)
+    store.head_reads.clear()
+    saved(CheckpointStore(store), ["s6"])  # a fresh saving process: 6 heads, then records
+    assert len(store.head_reads) == 6 and store.exists(ORDER_HINT_KEY)
+    store.head_reads.clear()
+    fresh = CheckpointStore(store)
+    saved(fresh, ["s7"])
+    assert store.head_reads == ["checkpoints/s6.json"]  # only what the hint did not hold
+    assert fresh.history() == [f"s{i}" for i in range(8)]
+    assert fresh.latest() == "s7"
+
+
+def test_the_hint_is_used_only_for_the_very_object_it_describes(tmp_path, monkeypatch):
+    """A manifest deleted and committed again under the same name is a new object (another
+    modification time): its head is read, so it orders as the newest, not where the hint
+    had it."""
+    monkeypatch.setattr(catalog_module, "WRITE_AFTER_HEADS", 1)
+    with CheckpointStore(tmp_path / "r") as repo:
+        saved(repo, ["a", "b", "c"])
+    saved(CheckpointStore(tmp_path / "r"), ["d"])  # records a, b, c
+    with CheckpointStore(tmp_path / "r") as repo:
+        repo.delete("a")
+        saved(repo, ["a"])
+    fresh = CheckpointStore(tmp_path / "r")
+    assert fresh.history() == ["b", "c", "d", "a"]
+    assert fresh.latest() == "a"
+
+
+@pytest.mark.parametrize("damage", ["flip", "forged", "not-json", "huge"])
+def test_a_damaged_or_forged_hint_is_ignored(damage, monkeypatch):
+    monkeypatch.setattr(catalog_module, "WRITE_AFTER_HEADS", 1)
+    store = CountingStore()
+    with CheckpointStore(store) as repo:
+        saved(repo, ["a", "b", "c"])
+    saved(CheckpointStore(store), ["d"])
+    data = store.get(ORDER_HINT_KEY)
+    if damage == "flip":
+        data = data.replace(b'"a"', b'"z"', 1)  # the seal no longer matches
+    elif damage == "forged":  # sealed, but says "a" is the newest and names a missing one
+        doc = json.loads(data)
+        rows = [[n, s, m, 1e10 if n == "a" else c] for n, s, m, c in doc["entries"]]
+        rows.append(["ghost", 1, 1.0, 2e10])
+        data = seal(canonical_json({"entries": rows, "format": "ckptstore.order"}))
+    elif damage == "not-json":
+        data = seal(b'{"entries":[["a",1]],"format":"ckptstore.order"}')
+    else:
+        monkeypatch.setattr(order_hint, "MAX_HINT_BYTES", 10)
+    store.put(ORDER_HINT_KEY, data)
+    store.head_reads.clear()
+    fresh = CheckpointStore(store)
+    history = fresh.history()
+    if damage == "forged":  # a sealed hint is taken for the objects it matches, no more
+        assert history == ["b", "c", "d", "a"] and "ghost" not in history
+        assert store.head_reads == ["checkpoints/d.json"]  # committed after the hint
+    else:
+        assert history == ["a", "b", "c", "d"]
+        assert len(store.head_reads) == 4  # every head read again
