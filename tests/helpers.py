@@ -74,7 +74,12 @@ def spawn_ranks(fn: Callable[..., None], world: int, tmp_path: Path, tag: str,
     (spawn) running `fn(rank, *args(init_file, out_dir))` on one gloo group (file init),
     wait for all, then read each rank's report file `out_dir/report(rank)`; a rank whose
     report does not start with `ok` (or that wrote none) fails the test with its text (the
-    worker writes its traceback there). Returns the reports, in rank order."""
+    worker writes its traceback there). Returns the reports, in rank order.
+
+    A rank that aborts (SIGABRT) after every rank reported success is not a failure: the
+    ranks wrote their reports after their last collective and left the group, and gloo can
+    still abort a process while its transport threads wind down at exit ("terminate called
+    without an active exception"), more often on a loaded machine."""
     import pytest
     import torch.multiprocessing as mp
 
@@ -84,6 +89,11 @@ def spawn_ranks(fn: Callable[..., None], world: int, tmp_path: Path, tag: str,
     try:
         mp.start_processes(fn, args=args(str(init), str(out)), nprocs=world, join=True,
                            start_method="spawn")
+    except mp.ProcessExitedException as exc:
+        done = all((out / report(r)).exists()
+                   and (out / report(r)).read_text().startswith(ok) for r in range(world))
+        if not (done and exc.signal_name == "SIGABRT"):
+            raise
     finally:
         reports = [(out / report(r)).read_text() if (out / report(r)).exists() else ""
                    for r in range(world)]
