@@ -21,7 +21,7 @@ from typing import Protocol
 from .errors import FormatError, ObjectNotFoundError, StoreError
 from .format.hashing import HashAlgorithm, check_digest, is_digest
 from .format.names import validate_name
-from .format.segment_encoding import SegmentRef
+from .format.segment_encoding import IndexBlob
 from .format.segments import SegmentSource
 
 MARKER_KEY = "ckptstore.json"
@@ -55,11 +55,11 @@ class _Gets(Protocol):
 
 
 def segments_in(stores: Sequence[_Gets], algorithm: HashAlgorithm) -> SegmentSource:
-    """The index segments of version-3 manifests, read as the blobs they are from the first
-    of `stores` (the manifest's own store, then the tiers after it) whose copy matches its
-    digest; a segment served by a later store is reported with a RuntimeWarning. FormatError
-    naming every copy's problem if none is good."""
-    def fetch(ref: SegmentRef) -> bytes:
+    """The index blobs (segments, state tree) of version-3 manifests, read as the blobs they
+    are from the first of `stores` (the manifest's own store, then the tiers after it) whose
+    copy matches its digest; one served by a later store is reported with a RuntimeWarning.
+    FormatError naming every copy's problem if none is good."""
+    def fetch(ref: IndexBlob) -> bytes:
         problems = []
         for i, store in enumerate(stores):
             try:
@@ -75,10 +75,10 @@ def segments_in(stores: Sequence[_Gets], algorithm: HashAlgorithm) -> SegmentSou
                                 "digest)")
                 continue
             if i:
-                warnings.warn(f"index segment {ref.digest}: {'; '.join(problems)}; read from "
+                warnings.warn(f"index blob {ref.digest}: {'; '.join(problems)}; read from "
                               f"{store.uri}", RuntimeWarning, stacklevel=2)
             return data
-        raise FormatError(f"index segment {ref.digest} has no good copy: {'; '.join(problems)}")
+        raise FormatError(f"index blob {ref.digest} has no good copy: {'; '.join(problems)}")
     return fetch
 
 

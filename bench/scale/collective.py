@@ -132,8 +132,9 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
     from ckptstore.format.hashing import XXH3_128
     from ckptstore.format.manifest import ChunkRef, Manifest
     from ckptstore.format.manifest_parse import committed_manifest, parse_manifest
+    from ckptstore.format.segments import version_for
     from ckptstore.format.tree import TreeEncoder
-    from ckptstore.layout import manifest_key
+    from ckptstore.layout import manifest_key, segments_in
     from ckptstore.pipeline.options import SaveOptions
     from ckptstore.pipeline.planning import plan_collective as plan
     from ckptstore.pipeline.writer import CheckpointWriter, KnownChunks
@@ -203,7 +204,8 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
     entries = _entries(leaves0, layouts, all_refs, options.compression,
                        _replicated_storage(leaves0, descs))
     manifest = Manifest(name="sim", created=writer.creation_time(), metadata={}, tree=tree,
-                        tensors=entries, parent=None, hash=options.hash.name)
+                        tensors=entries, parent=None, hash=options.hash.name,
+                        version=version_for(entries))  # as save_collective does
     t2 = time.perf_counter()
     try:
         body = writer.commit(manifest, manifest_key("sim"))
@@ -218,10 +220,14 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
     t4 = time.perf_counter()
     out.update(committed=committed, commit_refs_s=t1 - t0, commit_entries_s=t2 - t1,
                commit_write_s=t3 - t2, commit_cache_s=t4 - t3, commit_s=t4 - t0,
-               manifest_bytes=len(body))
+               manifest_bytes=len(body),
+               index_bytes=sum(b.size for b in manifest.index_blobs()))
     del manifest, entries, all_refs, statuses, descs
-    # 6. the parent read of every rank at its next save
-    out["next_save_parse_s"], _ = _timed(lambda: parse_manifest(body, "sim", XXH3_128))
+    # 6. the parent read of every rank at its next save: the root, its index segments and
+    # every entry (an incremental save's known chunks)
+    source = segments_in([store], XXH3_128)
+    out["next_save_parse_s"], _ = _timed(
+        lambda: len(list(parse_manifest(body, "sim", XXH3_128, source).tensors)))
     out["per_rank_s"] = (out["describe_s"] + out["describe_decode_s"] + out["agreement_s"]
                          + out["plan_s"] + out["status_decode_s"])
     return out
@@ -239,11 +245,14 @@ def run(ctx: Ctx, worlds: list[int], model: str = "7b") -> dict[str, Any]:
     big = max(worlds)
     top = rows[-1]
     per_chunk = top["manifest_bytes"] / top["chunks"]
+    index_per_chunk = top.get("index_bytes", 0) / top["chunks"]
     chunks_70b = estimated_chunks("70b", True, big)
     estimate = {"model": "70b", "adam": True, "world": big, "chunks_estimated": chunks_70b,
                 "manifest_bytes_per_chunk_7b": per_chunk,
                 "manifest_bytes_estimated": int(chunks_70b * per_chunk),
+                "index_bytes_estimated": int(chunks_70b * index_per_chunk),
                 "note": "not run (about 8x the 7B run's chunks: minutes and tens of GiB here);"
                         " chunk count by the arithmetic of estimated_chunks, bytes per chunk "
-                        f"of the 7B manifest at {big} ranks"}
+                        f"of the 7B manifest (root; index blobs apart) at {big} ranks; the "
+                        "1 GiB cap applies to the root and to each index blob"}
     return {"model": model, "shape": LLAMA[model], "rows": rows, "estimate_70b_adam": estimate}

@@ -49,8 +49,11 @@ def measure(folder: str, shape: str, n: int, reps: int, profile: bool) -> dict[s
                                   parent=None))
     del state
     raw = (Path(folder) / "checkpoints" / f"{NAME}.json").read_bytes()
+    index = _parse(raw).index_blobs()  # version 3: segments and tree, apart from the root
+    whole = len(raw) + sum(b.size for b in index)
     out: dict[str, Any] = {"shape": shape, "tensors": len(keys), "save_s": save_s,
-                           "manifest_bytes": len(raw), "bytes_per_tensor": len(raw) / len(keys),
+                           "manifest_bytes": len(raw), "index_bytes": whole - len(raw),
+                           "index_blobs": len(index), "bytes_per_tensor": whole / len(keys),
                            "one_key": one}
     out.update(_parse_figures(raw, reps))
     out.update(_load_figures(folder, one, reps))

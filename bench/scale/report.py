@@ -37,14 +37,16 @@ def tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         for r in parts["manifest"]["rows"]:
             fresh = r["fresh_load_one"]
             rows.append([r["shape"], f"{r['tensors']:,}", _s(r["save_s"]),
-                         _mib(r["manifest_bytes"]), f"{r['bytes_per_tensor']:.0f}",
+                         _mib(r["manifest_bytes"]), _mib(r.get("index_bytes", 0)),
+                         f"{r['bytes_per_tensor']:.0f}",
                          _s(r["parse"]["best_s"]), _mib(r["parsed_bytes"]),
                          _mib(r["parse_peak_bytes"]), _s(r["read_plan_one"]["best_s"]),
                          _s(r["load_one"]["best_s"]), _s(fresh["wall_s"]),
                          _s(fresh["import_s"]), _s(fresh["open_s"] + fresh["load_s"]),
                          _mib(fresh["maxrss"])])
         out.append(("manifest: size, parse, partial restore (best of reps)",
-                    ["shape", "tensors", "save", "manifest", "B/tensor", "parse", "parsed",
+                    ["shape", "tensors", "save", "root", "index blobs", "B/tensor", "parse",
+                     "parsed",
                      "parse peak", "read+plan(1 key)", "load(1 key)", "fresh proc wall",
                      "of it import", "open+load", "fresh RSS"], rows))
     if "keys" in parts:
@@ -113,14 +115,15 @@ def tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                  _s(r["describe_decode_s"]), _s(r["plan_s"] + r["agreement_s"]),
                  _s(r["status_decode_s"]), _s(r["per_rank_s"]),
                  _mib(r["gather_bytes_per_rank"]), _s(r["commit_s"]),
-                 _mib(r["manifest_bytes"]), _s(r["next_save_parse_s"]), _mib(r["_maxrss"])]
+                 _mib(r["manifest_bytes"]), _mib(r.get("index_bytes", 0)),
+                 _s(r["next_save_parse_s"]), _mib(r["_maxrss"])]
                 for r in p["rows"]]
         e = p["estimate_70b_adam"]
         out.append((f"collective: Llama-2-{p['model']} FSDP-style, simulated ranks "
                     f"(70B+Adam at {e['world']:,}: ~{e['chunks_estimated']:,} chunks, "
-                    f"~{e['manifest_bytes_estimated'] / 2**30:.2f} GiB manifest, estimated)",
+                    f"~{e['manifest_bytes_estimated'] / 2**30:.2f} GiB root, estimated)",
                     ["ranks", "chunks", "describe", "decode descs", "plan", "decode statuses",
-                     "per rank", "gathered/rank", "rank-0 commit", "manifest",
+                     "per rank", "gathered/rank", "rank-0 commit", "root", "index blobs",
                      "next-save parse", "process RSS"], rows))
     return out
 
@@ -195,10 +198,12 @@ def targets(results: dict[str, Any]) -> list[Target]:
                           r["manifest_bytes"] <= MiB))
         e = col["estimate_70b_adam"]
         fits = e["manifest_bytes_estimated"] <= 1 << 30
+        index = e.get("index_bytes_estimated", 0)
         out.append(Target(f"70B with Adam at {e['world']:,} ranks commits", "commits",
                           f"not run; estimated {e['chunks_estimated']:,} chunks, "
-                          f"{e['manifest_bytes_estimated'] / 2**30:.2f} GiB manifest "
-                          f"({'under' if fits else 'over'} the 1 GiB cap)", None))
+                          f"{e['manifest_bytes_estimated'] / 2**30:.2f} GiB root "
+                          f"({'under' if fits else 'over'} the 1 GiB cap) + "
+                          f"{index / 2**30:.2f} GiB of index blobs", None))
     return out
 
 

@@ -16,23 +16,26 @@ import json
 import json.encoder
 import math
 import re
-from collections.abc import Iterable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..collector import paused_collector
+from ..errors import FormatError
 from .canonical import canonical_str, seal
 from .codecs import Codec
 from .dtypes import DTYPES, DType
 from .hashing import HASH_NAME, hash_algorithm
-from .segment_encoding import ChunkTable, SegmentRef, segment_blobs
+from .segment_encoding import ChunkTable, IndexBlob, SegmentRef, TreeRef, segment_blobs
 
 _json_str = json.encoder.encode_basestring  # json.dumps' string writer (ensure_ascii=False)
 FORMAT_NAME = "ckptstore.manifest"
 #: Version 2 = version 1 + a self-digest (canonical.seal) as the last field.
 FORMAT_VERSION = 2
-#: Version 3 = version 2 with the tensor entries moved into index segments (segments.py): what
-#: large manifests are written as (segments.is_segmented).
+#: Version 3 = version 2 with the tensor entries moved into index segments (segments.py) and
+#: the state tree into a blob of its own: what large manifests are written as
+#: (segments.is_segmented).
 SEGMENTED_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 MAX_MANIFEST_BYTES = 1 << 30
@@ -227,17 +230,53 @@ def chunk_region(shape: tuple[int, ...], block: tuple[int, ...], index: int
     return tuple(reversed(out))
 
 
+class LazyTree:
+    """The state tree of a version-3 manifest read from a store, before its first use: `ref`
+    names its blob; `load()` reads and validates it (FormatError if it cannot). Given as
+    `Manifest(tree=...)`, the manifest's `tree` loads it on first access, once."""
+
+    def __init__(self, ref: TreeRef, load: Callable[[], Any]) -> None:
+        self.ref = ref
+        self._load = load
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._loaded = False
+
+    def value(self) -> Any:
+        with self._lock:
+            if not self._loaded:
+                self._value = self._load()
+                self._loaded = True
+            return self._value
+
+
+class _TreeField:
+    """`Manifest.tree`: the tree itself, or the value of a LazyTree once first used."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            raise AttributeError("tree")  # a field without a default
+        value = obj.__dict__["_tree"]
+        if isinstance(value, LazyTree):
+            value = value.value()
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__["_tree"] = value
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A committed checkpoint. `tree` is the typed state tree (see tree.py); tensor leaves point
     into `tensors` by index. `tensors` is a tuple, or for a version-3 manifest read from a
-    store a `segments.SegmentedEntries` that reads its index segments as they are used."""
+    store a `segments.SegmentedEntries` that reads its index segments as they are used; its
+    tree, a blob of its own, is read when `tree` is first used (LazyTree)."""
 
     name: str
     created: float  # POSIX seconds, UTC
     metadata: dict[str, Any]
-    tree: Any
-    tensors: Sequence[TensorEntry]
+    tree: Any = _TreeField()  # required: a descriptor field (its class access raises)
+    tensors: Sequence[TensorEntry]  # type: ignore[misc]  # follows no default (see tree)
     parent: str | None = None
     version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
@@ -250,14 +289,14 @@ class Manifest:
         return sum(t.nbytes for t in self.tensors)
 
     def blob_digests(self) -> set[str]:
-        """Every blob the checkpoint needs: its chunks' and (version 3) its index segments'."""
+        """Every blob the checkpoint needs: its chunks' and (version 3) its index blobs."""
         return set(self.blob_extents())
 
     def blob_extents(self, tables: Iterable[ChunkTable] | None = None) -> dict[str, int]:
         """{blob: the bytes of it the checkpoint uses}: the furthest chunk's offset + size,
-        an index segment whole (a copy of a blob shorter than that cannot serve it).
+        an index blob whole (a copy of a blob shorter than that cannot serve it).
         `tables`: this manifest's `chunk_tables()` where the caller already has them."""
-        ext = {r.digest: r.size for r in self.segment_refs()}
+        ext = {r.digest: r.size for r in self.index_blobs()}
         for table in self.chunk_tables() if tables is None else tables:
             for blob, end in table.extents().items():
                 if end > ext.get(blob, -1):
@@ -283,6 +322,42 @@ class Manifest:
             return list(refs)
         return [ref for ref, _data in self.segment_blobs()]
 
+    def index_blobs(self) -> list[IndexBlob]:
+        """The blobs of a version-3 manifest's index: its segments, then its tree ([] for
+        earlier versions). They are blobs like chunks: gc keeps them, copies carry them."""
+        if self.version < SEGMENTED_VERSION:
+            return []
+        return [*self.segment_refs(), self.tree_ref()]
+
+    def tree_ref(self) -> TreeRef:
+        """Version 3: the blob of the state tree (as the root names it, or computed from the
+        tree in memory)."""
+        value = self.__dict__["_tree"]
+        if isinstance(value, LazyTree):
+            return value.ref
+        return self.tree_blob()[0]
+
+    def tree_blob(self) -> tuple[TreeRef, bytes]:
+        """Version 3, tree in memory (a writer's manifest): the tree's blob and its bytes, the
+        tree's canonical JSON, computed once."""
+        blob = self.__dict__.get("_tree_blob")
+        if blob is None:
+            data = canonical_str(self.tree).encode()
+            if len(data) > MAX_MANIFEST_BYTES:
+                raise FormatError(f"checkpoint {self.name!r}: its state tree would be "
+                                  f"{len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a "
+                                  "reader accepts; nothing was committed")
+            blob = (TreeRef(hash_algorithm(self.hash).digest(data), len(data)), data)
+            object.__setattr__(self, "_tree_blob", blob)
+        return blob
+
+    def index_blob_data(self) -> list[tuple[IndexBlob, bytes]]:
+        """Version 3, in memory (a writer's manifest): each index blob (`index_blobs`) and its
+        bytes; [] for earlier versions. FormatError if one would be too large."""
+        if self.version < SEGMENTED_VERSION:
+            return []
+        return [*self.segment_blobs(), self.tree_blob()]
+
     def segment_blobs(self) -> list[tuple[SegmentRef, bytes]]:
         """Version 3, entries in memory (a writer's manifest): each index segment and its
         bytes, computed once. FormatError if a segment would be too large."""
@@ -300,18 +375,21 @@ class Manifest:
         """canonical_json of the whole document, assembled from three parts (the keys sort as
         head < "segments" < "tensors" < tail) so that each tensor entry can be written by
         `_entry_json`, then sealed (versions 2 and 3; a version-1 manifest is written
-        unsealed, as it was). Version 3 lists its index segments instead of the entries."""
+        unsealed, as it was). Version 3 (the root) names its index segments and its tree's
+        blob instead of holding the entries and the tree."""
         head = canonical_str({
             "created": self.created, "format": FORMAT_NAME, "hash": self.hash,
             "metadata": self.metadata, "name": self.name, "parent": self.parent})
-        tail = canonical_str({"tree": self.tree, "version": self.version})
         if self.version >= SEGMENTED_VERSION:
-            middle = canonical_str({"segments": [r.to_json() for r in self.segment_refs()]})
-            body = f'{head[:-1]},{middle[1:-1]},{tail[1:]}'.encode()
-        else:
-            tensors = ",".join(_entry_json(t) if ok else canonical_str(t.to_json())
-                               for t, ok in zip(self.tensors, self.entries_ok()))
-            body = f'{head[:-1]},"tensors":[{tensors}],{tail[1:]}'.encode()
+            rest = canonical_str({"segments": [r.to_json() for r in self.segment_refs()],
+                                  "tree_blob": self.tree_ref().to_json(),
+                                  "version": self.version})
+            body = f'{head[:-1]},{rest[1:]}'.encode()
+            return seal(body, hash_algorithm(self.hash).digest)
+        tail = canonical_str({"tree": self.tree, "version": self.version})
+        tensors = ",".join(_entry_json(t) if ok else canonical_str(t.to_json())
+                           for t, ok in zip(self.tensors, self.entries_ok()))
+        body = f'{head[:-1]},"tensors":[{tensors}],{tail[1:]}'.encode()
         return seal(body, hash_algorithm(self.hash).digest) if self.version >= 2 else body
 
     def entries_ok(self) -> list[bool]:

@@ -25,6 +25,7 @@ from .manifest import (
     READABLE_VERSIONS,
     SEGMENTED_VERSION,
     ChunkRef,
+    LazyTree,
     Manifest,
     StorageRef,
     TensorEntry,
@@ -32,7 +33,7 @@ from .manifest import (
     entry_problem,
 )
 from .names import validate_name
-from .segment_encoding import SegmentRef
+from .segment_encoding import SegmentRef, TreeRef
 from .segments import MAX_SEGMENT_BYTES, SegmentedEntries, SegmentSource
 
 # Two parsers, one set of rules (`entry_problem`). The fast path `_fast_tensor` accepts a tensor
@@ -281,8 +282,9 @@ def _parse_manifest(data: bytes, expected_name: str | None, algorithm: HashAlgor
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"manifest is not valid JSON: {exc}") from None
     version = doc.get("version") if isinstance(doc, dict) else None
-    body = "segments" if type(version) is int and version >= SEGMENTED_VERSION else "tensors"
-    d = _dict(doc, "manifest", _ROOT_FIELDS | {body}, {SEAL_FIELD})
+    parts = (_SEGMENTED_PARTS if type(version) is int and version >= SEGMENTED_VERSION
+             else _DOCUMENT_PARTS)
+    d = _dict(doc, "manifest", _ROOT_FIELDS | parts, {SEAL_FIELD})
     if d["format"] != FORMAT_NAME:
         raise FormatError(f"not a ckptstore manifest (format {d['format']!r:.40})")
     if type(version) is not int or version not in READABLE_VERSIONS:
@@ -309,21 +311,54 @@ def _parse_manifest(data: bytes, expected_name: str | None, algorithm: HashAlgor
     if not isinstance(d["metadata"], dict):
         raise FormatError("manifest metadata must be an object")
     tensors: tuple[TensorEntry, ...] | SegmentedEntries
+    tree: Any
     if version >= SEGMENTED_VERSION:
-        tensors = SegmentedEntries(_parse_segment_refs(d["segments"]), segments,
-                                   f"checkpoint {name!r}")
+        where = f"checkpoint {name!r}"
+        tensors = SegmentedEntries(_parse_segment_refs(d["segments"]), segments, where)
+        ref = _parse_tree_ref(d["tree_blob"])
+        tree = LazyTree(ref, lambda: _read_tree(segments, ref, len(tensors), where))
     else:
         tensors = _parse_tensors(_list(d["tensors"], "tensors"))
-    try:
-        check_tree(d["tree"], len(tensors))
-    except RecursionError:
-        raise FormatError("state tree nested too deeply") from None
-    return Manifest(name=name, created=float(created), metadata=d["metadata"], tree=d["tree"],
+        tree = d["tree"]
+        _check_whole_tree(tree, len(tensors))
+    return Manifest(name=name, created=float(created), metadata=d["metadata"], tree=tree,
                     tensors=tensors, parent=parent, version=version, hash=algorithm.name)
 
 
-_ROOT_FIELDS = frozenset({"format", "version", "hash", "name", "created", "parent", "metadata",
-                          "tree"})
+def _check_whole_tree(tree: Any, n_tensors: int) -> None:
+    try:
+        check_tree(tree, n_tensors)
+    except RecursionError:
+        raise FormatError("state tree nested too deeply") from None
+
+
+def _read_tree(source: SegmentSource | None, ref: TreeRef, n_tensors: int, where: str) -> Any:
+    """The state tree of a version-3 manifest from its blob (digest-checked by `source`),
+    validated as a version-2 manifest's tree is."""
+    if source is None:
+        raise FormatError(f"{where}: its state tree is not available here (only the manifest "
+                          "root was read)")
+    data = source(ref)
+    try:
+        with paused_collector():
+            tree = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+            _check_whole_tree(tree, n_tensors)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"{where}: state tree {ref.digest}: {exc}") from None
+    return tree
+
+
+def _parse_tree_ref(doc: Any) -> TreeRef:
+    d = _dict(doc, "tree_blob", frozenset({"digest", "size"}))
+    if not is_digest(d["digest"]):
+        raise _fail("tree_blob", f"{d['digest']!r:.40} is not a hex digest")
+    return TreeRef(d["digest"], _int(d["size"], "tree_blob.size", 2, MAX_MANIFEST_BYTES))
+
+
+_ROOT_FIELDS = frozenset({"format", "version", "hash", "name", "created", "parent",
+                          "metadata"})
+_DOCUMENT_PARTS = frozenset({"tensors", "tree"})  # versions 1 and 2: one document
+_SEGMENTED_PARTS = frozenset({"segments", "tree_blob"})  # version 3: a root naming blobs
 _SEGMENT_FIELDS = frozenset({"digest", "nbytes", "size", "tensors"})
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import xxhash
@@ -56,6 +56,29 @@ class SegmentRef:
     def to_json(self) -> dict[str, Any]:
         return {"digest": self.digest, "nbytes": self.nbytes, "size": self.size,
                 "tensors": self.tensors}
+
+
+class IndexBlob(Protocol):
+    """A blob of a version-3 manifest's index (an index segment or the state tree) as its
+    root names it: what a reader checks the bytes it fetches against."""
+
+    @property
+    def digest(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class TreeRef:
+    """The state tree of a version-3 manifest as its root names it: the blob `digest` of the
+    tree's canonical JSON, `size` bytes."""
+
+    digest: str
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"digest": self.digest, "size": self.size}
 
 
 @dataclass(frozen=True)

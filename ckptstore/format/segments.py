@@ -41,6 +41,7 @@ from .segment_encoding import (
     MAGIC,
     MAX_SEGMENT_BYTES,
     ChunkTable,
+    IndexBlob,
     SegmentRef,
     is_segmented,
 )
@@ -174,9 +175,9 @@ def _fields(rec: Any, i: int) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
             (grad, param, storage, None if grid is None else tuple(grid)), n)
 
 
-#: Gives the bytes of an index segment, already matched to its digest and size (FormatError
-#: if it cannot: layout.segments_in).
-SegmentSource = Callable[[SegmentRef], bytes]
+#: Gives the bytes of an index blob (a segment, or the state tree), already matched to its
+#: digest and size (FormatError if it cannot: layout.segments_in).
+SegmentSource = Callable[[IndexBlob], bytes]
 
 
 class SegmentedEntries(Sequence[TensorEntry]):

@@ -13,22 +13,26 @@ that cannot be parsed stops gc: nothing is deleted when what it references is un
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ..errors import FormatError, IntegrityError, ObjectNotFoundError, StoreError
 from ..format.hashing import XXH3_128, HashAlgorithm
 from ..format.manifest import ChunkRef, Manifest, TensorEntry
+from ..format.segment_encoding import IndexBlob
 from ..format.segments import SegmentedEntries
 from ..layout import BLOB_PREFIX, blob_key, blob_of_key
 from ..stores.base import Buffer, Store
 from . import leases
+
+T = TypeVar("T")
 
 #: Temp files (`.tmp-*`, a write in progress) are removed only when at least this old,
 #: whatever the grace period: a live writer's temp file exists for seconds, and deleting it
@@ -142,24 +146,34 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
 
 def _readable_entries(store: Store, m: Manifest, report: VerifyReport
                       ) -> Iterator[TensorEntry]:
-    """The tensor entries of `m`; a version-3 index segment that is missing or damaged (read
-    and checked whole, always: it is what locates the chunks) is a problem of the report,
-    and its tensors' chunks cannot be checked."""
+    """The tensor entries of `m`. A version-3 manifest's index blobs (its tree and segments)
+    are read and checked whole, always; one that is missing or damaged is a problem of the
+    report, and a segment's tensors' chunks then cannot be checked."""
     entries = m.tensors
     if not isinstance(entries, SegmentedEntries):
         yield from entries
         return
+    _index_blob(store, m, report, m.tree_ref(), lambda: m.tree, "(state tree)")
     for s, ref in enumerate(entries.refs):
-        report.blobs_checked += 1
-        try:
-            part = entries.segment(s)
-        except FormatError as exc:
-            kind = "corrupt" if store.exists(blob_key(ref.digest)) else "missing"
-            report.problems.append(BlobProblem(ref.digest, kind, str(exc), (m.name,),
-                                               ("(index segment)",)))
-            continue
-        report.bytes_checked += ref.size
-        yield from part
+        part = _index_blob(store, m, report, ref, functools.partial(entries.segment, s),
+                           "(index segment)")
+        if part is not None:
+            yield from part
+
+
+def _index_blob(store: Store, m: Manifest, report: VerifyReport, ref: IndexBlob,
+                read: Callable[[], T], label: str) -> T | None:
+    """`read()` (which reads and checks one index blob of `m`), or None with the problem
+    reported."""
+    report.blobs_checked += 1
+    try:
+        got = read()
+    except FormatError as exc:
+        kind = "corrupt" if store.exists(blob_key(ref.digest)) else "missing"
+        report.problems.append(BlobProblem(ref.digest, kind, str(exc), (m.name,), (label,)))
+        return None
+    report.bytes_checked += ref.size
+    return got
 
 
 @dataclass

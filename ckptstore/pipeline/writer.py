@@ -39,7 +39,6 @@ from ..format.codecs import Codec
 from ..format.leaf import ArrayLeaf
 from ..format.manifest import (
     MAX_MANIFEST_BYTES,
-    SEGMENTED_VERSION,
     ChunkRef,
     Manifest,
     StorageRef,
@@ -87,8 +86,9 @@ class KnownChunks:
     def __init__(self) -> None:
         self._refs: dict[tuple[str, str | None], ChunkRef] = {}
         self._lock = threading.Lock()
-        #: index segments (version-3 manifests) the store holds: a commit reuses them
-        self.segments: set[str] = set()
+        #: index blobs (segments, trees of version-3 manifests) the store holds: a commit
+        #: reuses them
+        self.index_blobs: set[str] = set()
 
     @staticmethod
     def _key(raw_digest: str, codec: Codec | None) -> tuple[str, str | None]:
@@ -96,7 +96,7 @@ class KnownChunks:
 
     def add_manifest(self, manifest: Manifest) -> None:
         with self._lock:
-            self.segments.update(r.digest for r in manifest.segment_refs())
+            self.index_blobs.update(r.digest for r in manifest.index_blobs())
         for t in manifest.tensors:
             for c in t.chunks:
                 self.add(c, t.codec)
@@ -528,11 +528,12 @@ class CheckpointWriter:
         return max(time.time(), self.not_before)
 
     def commit(self, manifest: Manifest, manifest_key: str) -> bytes:
-        """Write a version-3 manifest's new index segments, make the blobs durable, then
-        create the manifest (its root) create-only. Returns the bytes committed. A manifest
-        over MAX_MANIFEST_BYTES, or a segment over its cap, is refused before anything of it
-        is written (a reader would refuse it: it must never be created)."""
-        segments = manifest.segment_blobs() if manifest.version >= SEGMENTED_VERSION else []
+        """Write a version-3 manifest's new index blobs (segments, tree), make the blobs
+        durable, then create the manifest (its root) create-only. Returns the bytes
+        committed. A manifest over MAX_MANIFEST_BYTES, or an index blob over its cap, is
+        refused before anything of it is written (a reader would refuse it: it must never be
+        created)."""
+        index = manifest.index_blob_data()
         body = manifest.to_bytes()
         if len(body) > MAX_MANIFEST_BYTES:
             raise FormatError(f"checkpoint {manifest.name!r}: its manifest would be {len(body)} "
@@ -540,8 +541,8 @@ class CheckpointWriter:
                               "nothing was committed (save fewer tensors per checkpoint, or a "
                               "larger chunk_bytes)")
         with self.stats.timed("commit"):
-            for ref, data in segments:  # like data: a segment the store holds is reused
-                if ref.digest not in self.known.segments:
+            for ref, data in index:  # like data: an index blob the store holds is reused
+                if ref.digest not in self.known.index_blobs:
                     with self._claim_lock:
                         self._claimed.add(ref.digest)
                     self.store.put(blob_key(ref.digest), data)
@@ -558,7 +559,7 @@ class CheckpointWriter:
                     f"checkpoint {manifest.name!r} already exists in {self.store.uri}; it was "
                     "not touched") from None
         self.committed = body
-        self.known.segments.update(ref.digest for ref, _data in segments)
+        self.known.index_blobs.update(ref.digest for ref, _data in index)
         return body
 
     def write(self, name: str, tree: Any, leaves: list[ArrayLeaf], metadata: dict[str, Any],

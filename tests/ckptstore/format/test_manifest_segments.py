@@ -112,7 +112,7 @@ def test_partial_load_reads_only_the_segments_it_needs(tmp_path: Path) -> None:
     out = fresh.load("a", keys=[key])
     assert list(out) == [key] and out[key].tobytes() == state[key].tobytes()
     assert [c.name for c in fresh.list()] == ["a"]  # listing reads roots only
-    with pytest.raises(FormatError, match="index segment .* has no good copy: missing from"):
+    with pytest.raises(FormatError, match="index blob .* has no good copy: missing from"):
         CheckpointStore(str(tmp_path)).load("a")
 
 
@@ -232,14 +232,64 @@ def test_a_segment_bad_on_the_near_tier_is_read_from_the_far_tier(tmp_path: Path
     damaged = segment_path(near, refs[0]["digest"])
     damaged.write_bytes(damaged.read_bytes()[:-1] + b"?")
     segment_path(near, refs[1]["digest"]).unlink()
+    segment_path(near, root(near, "a")["tree_blob"]["digest"]).unlink()  # the tree, too
     with ckptstore.CheckpointStore([str(near), str(far)]) as repo:
-        with pytest.warns(RuntimeWarning, match="read from"):
+        with pytest.warns(RuntimeWarning, match="read from") as seen:
             assert_loaded(repo.load("a"), state)
+    assert len({str(w.message).split(":")[0] for w in seen}) == 3  # each blob, named
     segment_path(far, refs[1]["digest"]).unlink()  # now no tier has a good copy
     with ckptstore.CheckpointStore([str(near), str(far)]) as repo, warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # segment 0: from far, as above
         with pytest.raises(FormatError, match="no good copy: missing from .*near.*; missing"):
             repo.load("a")
+
+
+def test_the_tree_is_a_blob_of_its_own_read_on_first_use(tmp_path: Path) -> None:
+    """A version-3 root names its state tree's blob instead of holding the tree, so it stays
+    small; listing never reads the tree; a load or verify without a good copy of it fails
+    naming it, and nothing else is affected."""
+    state = big_state()
+    CheckpointStore(str(tmp_path)).save("a", state)
+    doc = root(tmp_path, "a")
+    assert "tree" not in doc and set(doc["tree_blob"]) == {"digest", "size"}
+    assert (tmp_path / "checkpoints" / "a.json").stat().st_size < 8 * 1024
+    tree = segment_path(tmp_path, doc["tree_blob"]["digest"])
+    assert tree.stat().st_size == doc["tree_blob"]["size"]
+    assert json.loads(tree.read_bytes()) == CheckpointStore(str(tmp_path)).manifest("a").tree
+    kept = tree.read_bytes()
+    tree.unlink()
+    fresh = CheckpointStore(str(tmp_path))
+    assert [c.name for c in fresh.list()] == ["a"] and fresh.latest() == "a"
+    assert fresh.manifest("a").logical_bytes > 0  # the root alone
+    with pytest.raises(FormatError, match="index blob .* has no good copy: missing"):
+        fresh.load("a")
+    report = fresh.verify("a")
+    assert [(p.blob, p.problem, p.keys) for p in report.problems] == [
+        (doc["tree_blob"]["digest"], "missing", ("(state tree)",))]
+    tree.write_bytes(kept)
+    assert_loaded(CheckpointStore(str(tmp_path)).load("a"), state)
+
+
+@pytest.mark.parametrize("damage", ["not-json", "bad-node", "index-out-of-range"])
+def test_a_tree_blob_that_breaks_the_tree_rules_is_refused(tmp_path: Path,
+                                                           damage: str) -> None:
+    """A tree blob whose digest matches but whose content is not a valid state tree (made
+    here by a root re-sealed to point at it) is refused when the tree is used."""
+    CheckpointStore(str(tmp_path)).save("a", big_state())
+    doc = root(tmp_path, "a")
+    doc.pop("self_digest")
+    repo = CheckpointStore(str(tmp_path))
+    bad = {"not-json": b"{not json", "bad-node": b'{"what":1}',
+           "index-out-of-range": b'{"tensor":999999}'}[damage]
+    digest = repo.hash.digest(bad)
+    repo.store.put(blob_key(digest), bad)
+    doc["tree_blob"] = {"digest": digest, "size": len(bad)}
+    from ckptstore.layout import segments_in
+    m = parse_manifest(sealed_manifest(doc), "a", repo.hash,
+                       segments_in([repo.store], repo.hash))
+    assert len(m.tensors) == N + 2  # the root is fine; the tree is read when used
+    with pytest.raises(FormatError, match="state tree"):
+        _ = m.tree
 
 
 def test_root_damage_is_refused(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from ckptstore import CheckpointStore
 from ckptstore.cli import main as ckpt_main
 from ckptstore.format.hashing import XXH3_128
 from ckptstore.format.manifest_parse import parse_manifest
-from ckptstore.layout import manifest_key
+from ckptstore.layout import manifest_key, segments_in
 
 TENSORS = 2000
 FEW, MANY = 2, 6
@@ -57,11 +57,15 @@ def _peak(fn: Callable[[], Any]) -> int:
 
 
 def _held_by_one_manifest(path: Path) -> int:
+    """What one parsed manifest holds once all of it is used (a version-3 root, its tree and
+    its index segments)."""
     raw = (path / "checkpoints" / "c0.json").read_bytes()
+    source = segments_in([CheckpointStore(path, create=False).store], XXH3_128)
     gc.collect()
     tracemalloc.start()
     try:
-        manifest = parse_manifest(raw, "c0", XXH3_128)
+        manifest = parse_manifest(raw, "c0", XXH3_128, source)
+        assert manifest.tree is not None and len(list(manifest.tensors)) == TENSORS
         held = tracemalloc.get_traced_memory()[0]
         del manifest
         return held
