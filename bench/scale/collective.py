@@ -43,7 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .common import Ctx, MiB, run_worker
+from .common import Ctx, MiB, index_blobs, run_worker
 from .states import LLAMA, llama, shard_rows
 
 
@@ -221,7 +221,7 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
     out.update(committed=committed, commit_refs_s=t1 - t0, commit_entries_s=t2 - t1,
                commit_write_s=t3 - t2, commit_cache_s=t4 - t3, commit_s=t4 - t0,
                manifest_bytes=len(body),
-               index_bytes=sum(b.size for b in manifest.index_blobs()))
+               index_bytes=sum(b.size for b in index_blobs(manifest)))
     del manifest, entries, all_refs, statuses, descs
     # 6. the parent read of every rank at its next save: the root, its index segments and
     # every entry (an incremental save's known chunks)

@@ -259,3 +259,13 @@ def machine_facts(root: Path) -> dict[str, Any]:
     facts["git"] = head.stdout.strip()
     facts["ckptstore_dirty_files"] = [line[3:] for line in dirty.stdout.splitlines()]
     return facts
+
+
+def index_blobs(manifest: Any) -> list[Any]:
+    """A manifest's index blobs (version 3: segments and tree), also for a measured tree of
+    an earlier commit (segments only, or nothing)."""
+    for name in ("index_blobs", "segment_refs"):
+        method = getattr(manifest, name, None)
+        if method is not None:
+            return list(method())
+    return []

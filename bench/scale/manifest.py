@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .common import Ctx, best, profiled, run_child, run_worker, timed, traced
+from .common import Ctx, best, index_blobs, profiled, run_child, run_worker, timed, traced
 from .states import build, tensors
 
 NAME = "m"
@@ -49,7 +49,7 @@ def measure(folder: str, shape: str, n: int, reps: int, profile: bool) -> dict[s
                                   parent=None))
     del state
     raw = (Path(folder) / "checkpoints" / f"{NAME}.json").read_bytes()
-    index = _parse(raw).index_blobs()  # version 3: segments and tree, apart from the root
+    index = index_blobs(_parse(raw))  # version 3: segments and tree, apart from the root
     whole = len(raw) + sum(b.size for b in index)
     out: dict[str, Any] = {"shape": shape, "tensors": len(keys), "save_s": save_s,
                            "manifest_bytes": len(raw), "index_bytes": whole - len(raw),
