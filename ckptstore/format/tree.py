@@ -256,12 +256,14 @@ def decode(node: Any, load_leaf: LeafLoader, keep: KeyFilter | None = None,
     With `keep`, only leaves whose dotted key passes are kept, and containers left empty by the
     filter are dropped (returned as _DROP to the parent)."""
     kind, value = node_kind(node)
-    if (keep is not None and path and value and kind in _CONTAINERS
+    if (keep is not None and path and value and kind in CONTAINERS
             and not keep.reaches(key_string(path))):
         return _DROP  # what walking it would give: every leaf dropped
     if kind in ("dict", "odict"):
         out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
         for (_ktype, k), child in value:
+            if keep is not None and _dropped(child, keep, key_string((*path, k))):
+                continue
             v = decode(child, load_leaf, keep, (*path, k))
             if v is not _DROP:
                 out[k] = v
@@ -271,7 +273,8 @@ def decode(node: Any, load_leaf: LeafLoader, keep: KeyFilter | None = None,
             out._metadata = decode(node["meta"], load_leaf, None, (*path, "_metadata"))  # type: ignore[attr-defined]
         return out
     if kind in ("list", "tuple"):
-        items = [decode(c, load_leaf, keep, (*path, i)) for i, c in enumerate(value)]
+        items = [decode(c, load_leaf, keep, (*path, i)) for i, c in enumerate(value)
+                 if keep is None or not _dropped(c, keep, key_string((*path, i)))]
         kept = [v for v in items if v is not _DROP]
         if keep is not None and not kept and value:
             return _DROP
@@ -291,6 +294,16 @@ def decode(node: Any, load_leaf: LeafLoader, keep: KeyFilter | None = None,
     if kind in ("tensor", "bytes"):
         return load_leaf(value)
     raise AssertionError(f"unvalidated tree node {kind}")
+
+
+def _dropped(node: Any, keep: KeyFilter, key: str) -> bool:
+    """True if `decode(node, ..., keep)` at dotted `key` would return _DROP, decided without
+    walking it (a wide dict's unselected children cost a set lookup each): nothing below
+    `key` is kept, and it is not an empty container (decode keeps those)."""
+    if keep.reaches(key):
+        return False
+    kind, value = node_kind(node)
+    return not (kind in CONTAINERS and not value)
 
 
 class _Drop:
@@ -321,7 +334,14 @@ def _collect_paths(node: Any, path: Path, out: dict[int, Path]) -> None:
         out.setdefault(value, path)
 
 
-_CONTAINERS = frozenset({"dict", "odict", "list", "tuple"})
+CONTAINERS = frozenset({"dict", "odict", "list", "tuple"})
+
+
+def children(kind: str, value: Any) -> Iterator[tuple[Any, Any]]:
+    """(name, child) of a validated container node: dict keys, or list / tuple positions."""
+    if kind in ("dict", "odict"):
+        return ((k, child) for (_t, k), child in value)
+    return enumerate(value)
 
 
 def leaf_keys(node: Any, keep: KeyFilter | None = None) -> dict[int, str]:
@@ -342,14 +362,13 @@ def tied_keys(node: Any, keep: KeyFilter | None = None) -> dict[int, list[str]]:
 
     def walk(node: Any, key: str | None) -> None:
         kind, value = node_kind(node)
-        if key is not None and keep is not None and kind in _CONTAINERS and not keep.reaches(key):
+        if key is not None and keep is not None and kind in CONTAINERS and not keep.reaches(key):
             return
-        if kind in ("dict", "odict"):
-            for (_t, k), child in value:
-                walk(child, str(k) if key is None else f"{key}.{k}")
-        elif kind in ("list", "tuple"):
-            for i, child in enumerate(value):
-                walk(child, str(i) if key is None else f"{key}.{i}")
+        if kind in CONTAINERS:
+            for name, child in children(kind, value):
+                child_key = str(name) if key is None else f"{key}.{name}"
+                if keep is None or keep.reaches(child_key):  # else it would add nothing
+                    walk(child, child_key)
         elif kind in ("tensor", "bytes"):
             leaf_key = "" if key is None else key
             if keep is None or keep(leaf_key):
@@ -367,14 +386,13 @@ def _collect_keys(node: Any, key: str | None, out: dict[int, str],
     """Add every tensor leaf under `node` (at dotted `key`, None for the root) not yet in
     `out` and accepted by `keep`, in depth-first order."""
     kind, value = node_kind(node)
-    if key is not None and keep is not None and kind in _CONTAINERS and not keep.reaches(key):
+    if key is not None and keep is not None and kind in CONTAINERS and not keep.reaches(key):
         return
-    if kind in ("dict", "odict"):
-        for (_t, k), child in value:
-            _collect_keys(child, str(k) if key is None else f"{key}.{k}", out, keep)
-    elif kind in ("list", "tuple"):
-        for i, child in enumerate(value):
-            _collect_keys(child, str(i) if key is None else f"{key}.{i}", out, keep)
+    if kind in CONTAINERS:
+        for name, child in children(kind, value):
+            child_key = str(name) if key is None else f"{key}.{name}"
+            if keep is None or keep.reaches(child_key):  # else it would add nothing
+                _collect_keys(child, child_key, out, keep)
     elif kind in ("tensor", "bytes"):
         leaf_key = "" if key is None else key
         if keep is None or keep(leaf_key):

@@ -472,17 +472,18 @@ def _check_keys_exist(manifest: Manifest, keys: Iterable[str], keep: tree_mod.Ke
         raise KeyMismatchError(f"checkpoint {manifest.name!r} has no key(s) {missing[:10]}")
 
 
-def _leaf_keys_reached(node: Any, keep: tree_mod.KeyFilter,
-                       path: tuple[str | int, ...] = ()) -> list[str]:
-    """The dotted keys of the leaves (of any kind) under `node` that `keep` can reach."""
+def _leaf_keys_reached(node: Any, keep: tree_mod.KeyFilter, key: str | None = None
+                       ) -> list[str]:
+    """The dotted keys of the leaves (of any kind) under `node` (at dotted `key`, None for the
+    root) that `keep` can reach."""
+    if key is not None and not keep.reaches(key):
+        return []
     kind, value = tree_mod.node_kind(node)
-    if kind in ("dict", "odict", "list", "tuple"):
-        if path and not keep.reaches(tree_mod.key_string(path)):
-            return []
-        items = ([(key, child) for (_t, key), child in value] if kind in ("dict", "odict")
-                 else list(enumerate(value)))
-        return [k for key, child in items for k in _leaf_keys_reached(child, keep, (*path, key))]
-    return [tree_mod.key_string(path)]
+    if kind not in tree_mod.CONTAINERS:
+        return ["" if key is None else key]
+    return [leaf for name, child in tree_mod.children(kind, value)
+            for leaf in _leaf_keys_reached(child, keep,
+                                           str(name) if key is None else f"{key}.{name}")]
 
 
 def _check_into(manifest: Manifest, selected: list[int], key_of: dict[int, str],
