@@ -208,9 +208,11 @@ def check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
                      (key[0] == "i" and type(key[1]) is int))):
                 raise FormatError("tree dict key must be ['s', str] or ['i', int], "
                                   f"got {key!r:.80}")
-            # the common leaf, checked inline (a call per tensor is most of the time)
-            if (type(child) is dict and len(child) == 1 and type(t := child.get("tensor"))
-                    is int and 0 <= t < n_tensors):
+            # the common leaves (tensors; ints: an optimizer state's step), checked inline (a
+            # call per leaf was most of the time)
+            if type(child) is dict and len(child) == 1 and (
+                    (type(t := child.get("tensor")) is int and 0 <= t < n_tensors)
+                    or type(child.get("int")) is int):
                 continue
             check_tree(child, n_tensors, depth + 1)
         if "meta" in node:
