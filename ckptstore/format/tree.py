@@ -349,7 +349,7 @@ def leaf_keys(node: Any, keep: KeyFilter | None = None) -> dict[int, str]:
     path `keep` accepts, so a tensor tied to an unselected key is found by its selected one):
     `key_string` of each `leaf_paths` value, built without keeping a tuple per tensor."""
     out: dict[int, str] = {}
-    _collect_keys(node, None, out, keep)
+    _each_tensor_leaf(node, None, keep, out.setdefault)
     return out
 
 
@@ -360,43 +360,31 @@ def tied_keys(node: Any, keep: KeyFilter | None = None) -> dict[int, list[str]]:
     first: dict[int, str] = {}
     out: dict[int, list[str]] = {}
 
-    def walk(node: Any, key: str | None) -> None:
-        kind, value = node_kind(node)
-        if key is not None and keep is not None and kind in CONTAINERS and not keep.reaches(key):
-            return
-        if kind in CONTAINERS:
-            for name, child in children(kind, value):
-                child_key = str(name) if key is None else f"{key}.{name}"
-                if keep is None or keep.reaches(child_key):  # else it would add nothing
-                    walk(child, child_key)
-        elif kind in ("tensor", "bytes"):
-            leaf_key = "" if key is None else key
-            if keep is None or keep(leaf_key):
-                if value in first:
-                    out.setdefault(value, []).append(leaf_key)
-                else:
-                    first[value] = leaf_key
+    def visit(index: int, key: str) -> None:
+        if index in first:
+            out.setdefault(index, []).append(key)
+        else:
+            first[index] = key
 
-    walk(node, None)
+    _each_tensor_leaf(node, None, keep, visit)
     return out
 
 
-def _collect_keys(node: Any, key: str | None, out: dict[int, str],
-                  keep: KeyFilter | None) -> None:
-    """Add every tensor leaf under `node` (at dotted `key`, None for the root) not yet in
-    `out` and accepted by `keep`, in depth-first order."""
+def _each_tensor_leaf(node: Any, key: str | None, keep: KeyFilter | None,
+                      visit: Callable[[int, str], Any]) -> None:
+    """`visit(tensor index, dotted key)` for every tensor leaf under `node` (at dotted `key`,
+    None for the root) that `keep` accepts, in depth-first order; a child `keep` cannot
+    reach is not walked."""
     kind, value = node_kind(node)
-    if key is not None and keep is not None and kind in CONTAINERS and not keep.reaches(key):
-        return
     if kind in CONTAINERS:
         for name, child in children(kind, value):
             child_key = str(name) if key is None else f"{key}.{name}"
-            if keep is None or keep.reaches(child_key):  # else it would add nothing
-                _collect_keys(child, child_key, out, keep)
+            if keep is None or keep.reaches(child_key):  # else it holds no accepted leaf
+                _each_tensor_leaf(child, child_key, keep, visit)
     elif kind in ("tensor", "bytes"):
         leaf_key = "" if key is None else key
         if keep is None or keep(leaf_key):
-            out.setdefault(value, leaf_key)
+            visit(value, leaf_key)
 
 
 def flatten_arrays(obj: Any, path: Path = ()) -> dict[str, Any]:
