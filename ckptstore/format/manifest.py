@@ -232,8 +232,9 @@ def chunk_region(shape: tuple[int, ...], block: tuple[int, ...], index: int
 
 class LazyTree:
     """The state tree of a version-3 manifest read from a store, before its first use: `ref`
-    names its blob; `load()` reads and validates it (FormatError if it cannot). Given as
-    `Manifest(tree=...)`, the manifest's `tree` loads it on first access, once."""
+    names its blob; `value()` reads and validates it through `load` on its first call, once
+    (FormatError if it cannot; a later call tries again). Given as `Manifest(tree=...)`, it
+    is what the manifest's `tree` returns."""
 
     def __init__(self, ref: TreeRef, load: Callable[[], Any]) -> None:
         self.ref = ref
