@@ -28,6 +28,7 @@ from .codecs import Codec
 from .dtypes import DTYPES, DType
 from .hashing import HASH_NAME, hash_algorithm
 from .segment_encoding import ChunkTable, IndexBlob, SegmentRef, TreeRef, segment_blobs
+from .tree_pages import paginate
 
 _json_str = json.encoder.encode_basestring  # json.dumps' string writer (ensure_ascii=False)
 FORMAT_NAME = "ckptstore.manifest"
@@ -232,12 +233,15 @@ def chunk_region(shape: tuple[int, ...], block: tuple[int, ...], index: int
 
 class LazyTree:
     """The state tree of a version-3 manifest read from a store, before its first use: `ref`
-    names its blob; `value()` reads and validates it through `load` on its first call, once
+    names its blob (and `pages` those of its paged containers, tree_pages.py); `value()`
+    reads and validates it through `load` on its first call, once
     (FormatError if it cannot; a later call tries again). Given as `Manifest(tree=...)`, it
     is what the manifest's `tree` returns."""
 
-    def __init__(self, ref: TreeRef, load: Callable[[], Any]) -> None:
+    def __init__(self, ref: TreeRef, load: Callable[[], Any], pages: Sequence[TreeRef] = ()
+                 ) -> None:
         self.ref = ref
+        self.pages = tuple(pages)  # the blobs of its paged containers, as the root lists them
         self._load = load
         self._lock = threading.Lock()
         self._value: Any = None
@@ -324,11 +328,12 @@ class Manifest:
         return [ref for ref, _data in self.segment_blobs()]
 
     def index_blobs(self) -> list[IndexBlob]:
-        """The blobs of a version-3 manifest's index: its segments, then its tree ([] for
-        earlier versions). They are blobs like chunks: gc keeps them, copies carry them."""
+        """The blobs of a version-3 manifest's index: its segments, then its tree and the
+        pages of the tree's paged containers ([] for earlier versions). They are blobs like
+        chunks: gc keeps them, copies carry them."""
         if self.version < SEGMENTED_VERSION:
             return []
-        return [*self.segment_refs(), self.tree_ref()]
+        return [*self.segment_refs(), self.tree_ref(), *self.tree_page_refs()]
 
     def tree_ref(self) -> TreeRef:
         """Version 3: the blob of the state tree (as the root names it, or computed from the
@@ -338,26 +343,42 @@ class Manifest:
             return value.ref
         return self.tree_blob()[0]
 
+    def tree_page_refs(self) -> list[TreeRef]:
+        """Version 3: the page blobs of the tree's paged containers (tree_pages.py), as the
+        root lists them or computed from the tree in memory."""
+        value = self.__dict__["_tree"]
+        if isinstance(value, LazyTree):
+            return list(value.pages)
+        return [ref for ref, _data in self._tree_blobs()[1:]]
+
     def tree_blob(self) -> tuple[TreeRef, bytes]:
         """Version 3, tree in memory (a writer's manifest): the tree's blob and its bytes, the
-        tree's canonical JSON, computed once."""
-        blob = self.__dict__.get("_tree_blob")
-        if blob is None:
-            data = canonical_str(self.tree).encode()
-            if len(data) > MAX_MANIFEST_BYTES:
-                raise FormatError(f"checkpoint {self.name!r}: its state tree would be "
-                                  f"{len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a "
-                                  "reader accepts; nothing was committed")
-            blob = (TreeRef(hash_algorithm(self.hash).digest(data), len(data)), data)
-            object.__setattr__(self, "_tree_blob", blob)
-        return blob
+        canonical JSON of the tree with its wide containers paged, computed once."""
+        return self._tree_blobs()[0]
+
+    def _tree_blobs(self) -> list[tuple[TreeRef, bytes]]:
+        """The tree's blob, then its pages' (tree_pages.paginate), computed once."""
+        blobs = self.__dict__.get("_tree_blob_data")
+        if blobs is None:
+            digest = hash_algorithm(self.hash).digest
+            top, pages = paginate(self.tree, digest)
+            data = canonical_str(top).encode()
+            blobs = [(TreeRef(digest(data), len(data)), data), *pages]
+            for ref, _data in blobs:
+                if ref.size > MAX_MANIFEST_BYTES:
+                    raise FormatError(f"checkpoint {self.name!r}: a blob of its state tree "
+                                      f"would be {ref.size} bytes, more than the "
+                                      f"{MAX_MANIFEST_BYTES} a reader accepts; nothing was "
+                                      "committed")
+            object.__setattr__(self, "_tree_blob_data", blobs)
+        return blobs
 
     def index_blob_data(self) -> list[tuple[IndexBlob, bytes]]:
         """Version 3, in memory (a writer's manifest): each index blob (`index_blobs`) and its
         bytes; [] for earlier versions. FormatError if one would be too large."""
         if self.version < SEGMENTED_VERSION:
             return []
-        return [*self.segment_blobs(), self.tree_blob()]
+        return [*self.segment_blobs(), *self._tree_blobs()]
 
     def segment_blobs(self) -> list[tuple[SegmentRef, bytes]]:
         """Version 3, entries in memory (a writer's manifest): each index segment and its
@@ -382,9 +403,13 @@ class Manifest:
             "created": self.created, "format": FORMAT_NAME, "hash": self.hash,
             "metadata": self.metadata, "name": self.name, "parent": self.parent})
         if self.version >= SEGMENTED_VERSION:
-            rest = canonical_str({"segments": [r.to_json() for r in self.segment_refs()],
-                                  "tree_blob": self.tree_ref().to_json(),
-                                  "version": self.version})
+            parts: dict[str, Any] = {"segments": [r.to_json() for r in self.segment_refs()],
+                                     "tree_blob": self.tree_ref().to_json(),
+                                     "version": self.version}
+            pages = self.tree_page_refs()
+            if pages:  # written only where the tree has paged containers
+                parts["tree_pages"] = [r.to_json() for r in pages]
+            rest = canonical_str(parts)
             body = f'{head[:-1]},{rest[1:]}'.encode()
             return seal(body, hash_algorithm(self.hash).digest)
         tail = canonical_str({"tree": self.tree, "version": self.version})

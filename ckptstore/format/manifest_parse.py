@@ -35,6 +35,7 @@ from .manifest import (
 from .names import validate_name
 from .segment_encoding import SegmentRef, TreeRef
 from .segments import MAX_SEGMENT_BYTES, SegmentedEntries, SegmentSource
+from .tree_pages import PageSet
 
 # Two parsers, one set of rules (`entry_problem`). The fast path `_fast_tensor` accepts a tensor
 # entry only in exactly the form `to_json` writes and only if `entry_problem` finds nothing;
@@ -187,13 +188,23 @@ def _parse_tensor(doc: Any, index: int) -> TensorEntry:
     return entry
 
 
-def check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
-    """Validate the typed state tree (forms listed in tree.py)."""
+def check_tree(node: Any, n_tensors: int, depth: int = 0, pages: PageSet | None = None
+               ) -> None:
+    """Validate the typed state tree (forms listed in tree.py). With `pages` (a version-3
+    tree), a paged node is validated and resolved in place (tree_pages.PageSet.resolve); its
+    pages are validated when they are read. Without, a paged node is refused."""
     if depth > MAX_TREE_DEPTH:
         raise FormatError(f"state tree nested deeper than {MAX_TREE_DEPTH}")
     if not isinstance(node, dict) or not 1 <= len(node) <= 2:
         raise FormatError(f"tree node must be a one-field object, got {node!r:.80}")
     kind = next((k for k in node if k != "meta"), "meta")
+    if kind == "paged":
+        if pages is None:
+            raise FormatError("paged tree node outside a version-3 state tree")
+        pages.resolve(node, depth)
+        if "meta" in node:
+            check_tree(node["meta"], n_tensors, depth + 1, pages)
+        return
     value = node[kind]
     if kind in ("dict", "odict"):
         extra = set(node) - {kind, "meta"}
@@ -214,15 +225,15 @@ def check_tree(node: Any, n_tensors: int, depth: int = 0) -> None:
                     (type(t := child.get("tensor")) is int and 0 <= t < n_tensors)
                     or type(child.get("int")) is int):
                 continue
-            check_tree(child, n_tensors, depth + 1)
+            check_tree(child, n_tensors, depth + 1, pages)
         if "meta" in node:
-            check_tree(node["meta"], n_tensors, depth + 1)
+            check_tree(node["meta"], n_tensors, depth + 1, pages)
         return
     if len(node) != 1:
         raise FormatError(f"tree node {kind!r:.40} has extra fields")
     if kind in ("list", "tuple"):
         for item in _list(value, "tree"):
-            check_tree(item, n_tensors, depth + 1)
+            check_tree(item, n_tensors, depth + 1, pages)
     elif kind == "none":
         if value is not None:
             raise FormatError("tree 'none' node must hold null")
@@ -284,9 +295,10 @@ def _parse_manifest(data: bytes, expected_name: str | None, algorithm: HashAlgor
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"manifest is not valid JSON: {exc}") from None
     version = doc.get("version") if isinstance(doc, dict) else None
-    parts = (_SEGMENTED_PARTS if type(version) is int and version >= SEGMENTED_VERSION
-             else _DOCUMENT_PARTS)
-    d = _dict(doc, "manifest", _ROOT_FIELDS | parts, {SEAL_FIELD})
+    segmented = type(version) is int and version >= SEGMENTED_VERSION
+    parts = _SEGMENTED_PARTS if segmented else _DOCUMENT_PARTS
+    d = _dict(doc, "manifest", _ROOT_FIELDS | parts,
+              {SEAL_FIELD, *(_SEGMENTED_OPTIONAL if segmented else ())})
     if d["format"] != FORMAT_NAME:
         raise FormatError(f"not a ckptstore manifest (format {d['format']!r:.40})")
     if type(version) is not int or version not in READABLE_VERSIONS:
@@ -317,8 +329,11 @@ def _parse_manifest(data: bytes, expected_name: str | None, algorithm: HashAlgor
     if version >= SEGMENTED_VERSION:
         where = f"checkpoint {name!r}"
         tensors = SegmentedEntries(_parse_segment_refs(d["segments"]), segments, where)
-        ref = _parse_tree_ref(d["tree_blob"])
-        tree = LazyTree(ref, lambda: _read_tree(segments, ref, len(tensors), where))
+        ref = _parse_tree_ref(d["tree_blob"], "tree_blob")
+        page_refs = [_parse_tree_ref(p, f"tree_pages[{i}]")
+                     for i, p in enumerate(_list(d.get("tree_pages", []), "tree_pages"))]
+        tree = LazyTree(ref, lambda: _read_tree(segments, ref, page_refs, len(tensors), where),
+                        page_refs)
     else:
         tensors = _parse_tensors(_list(d["tensors"], "tensors"))
         tree = d["tree"]
@@ -334,33 +349,37 @@ def _check_whole_tree(tree: Any, n_tensors: int) -> None:
         raise FormatError("state tree nested too deeply") from None
 
 
-def _read_tree(source: SegmentSource | None, ref: TreeRef, n_tensors: int, where: str) -> Any:
+def _read_tree(source: SegmentSource | None, ref: TreeRef, page_refs: list[TreeRef],
+               n_tensors: int, where: str) -> Any:
     """The state tree of a version-3 manifest from its blob (digest-checked by `source`),
-    validated as a version-2 manifest's tree is."""
+    validated as a version-2 manifest's tree is; its paged containers read their pages from
+    `source` when they are used (tree_pages.py)."""
     if source is None:
         raise FormatError(f"{where}: its state tree is not available here (only the manifest "
                           "root was read)")
     data = source(ref)
+    pages = PageSet(page_refs, source, n_tensors, where, check_tree)
     try:
         with paused_collector():
             tree = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-            _check_whole_tree(tree, n_tensors)
+            check_tree(tree, n_tensors, 0, pages)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"{where}: state tree {ref.digest}: {exc}") from None
     return tree
 
 
-def _parse_tree_ref(doc: Any) -> TreeRef:
-    d = _dict(doc, "tree_blob", frozenset({"digest", "size"}))
+def _parse_tree_ref(doc: Any, where: str) -> TreeRef:
+    d = _dict(doc, where, frozenset({"digest", "size"}))
     if not is_digest(d["digest"]):
-        raise _fail("tree_blob", f"{d['digest']!r:.40} is not a hex digest")
-    return TreeRef(d["digest"], _int(d["size"], "tree_blob.size", 2, MAX_MANIFEST_BYTES))
+        raise _fail(where, f"{d['digest']!r:.40} is not a hex digest")
+    return TreeRef(d["digest"], _int(d["size"], f"{where}.size", 2, MAX_MANIFEST_BYTES))
 
 
 _ROOT_FIELDS = frozenset({"format", "version", "hash", "name", "created", "parent",
                           "metadata"})
 _DOCUMENT_PARTS = frozenset({"tensors", "tree"})  # versions 1 and 2: one document
 _SEGMENTED_PARTS = frozenset({"segments", "tree_blob"})  # version 3: a root naming blobs
+_SEGMENTED_OPTIONAL = frozenset({"tree_pages"})  # version 3, where the tree has paged nodes
 _SEGMENT_FIELDS = frozenset({"digest", "nbytes", "size", "tensors"})
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -25,8 +25,10 @@ except ModuleNotFoundError as _exc:
     raise missing(_exc) from None
 from . import dtypes
 from .leaf import ArrayLeaf
-from .manifest import TensorEntry
 from .regions import Runs
+
+if TYPE_CHECKING:  # annotations only: manifest imports tree_pages -> tree -> this module
+    from .manifest import TensorEntry
 
 # torch dtypes numpy lacks are viewed as unsigned ints of the same width
 _BITS_VIEW = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}

@@ -9,6 +9,10 @@ Node forms (each a one-field JSON object):
   {"np_scalar": [dtype, "<hex bytes>"]}
   {"tensor": i} {"bytes": i}          index into the manifest's tensors (same index twice =
                                       the same object twice)
+
+A tree read from a version-3 manifest may hold a wide container's children as a
+tree_pages.PagedItems instead of a list: it iterates as that list (reading every page), and
+the filtered walks here ask it (`children(..., keep)`) for the pages a key filter reaches.
 """
 
 from __future__ import annotations
@@ -249,6 +253,16 @@ class KeyFilter:
     def reaches(self, key: str) -> bool:
         return key in self._above or self(key)
 
+    def child_names(self, key: str | None) -> tuple[set[str], set[str]]:
+        """For a container at dotted `key` (None: the root) that is not itself kept, the names
+        of the children `reaches` accepts, as (exact names, names N such that a child named
+        `N.<anything>` is accepted too): what finds them in a container paged by name."""
+        prefix = "" if key is None else key + "."
+        cut = len(prefix)
+        exact = {w[cut:] for w in (*self.wanted, *self._above) if w.startswith(prefix)}
+        below = {w[cut:] for w in self.wanted if w.startswith(prefix)}
+        return exact, below
+
 
 def decode(node: Any, load_leaf: LeafLoader, keep: KeyFilter | None = None,
            path: Path = ()) -> Any:
@@ -256,13 +270,13 @@ def decode(node: Any, load_leaf: LeafLoader, keep: KeyFilter | None = None,
     With `keep`, only leaves whose dotted key passes are kept, and containers left empty by the
     filter are dropped (returned as _DROP to the parent)."""
     kind, value = node_kind(node)
-    if (keep is not None and path and value and kind in CONTAINERS
-            and not keep.reaches(key_string(path))):
+    key = key_string(path) if path else None
+    if keep is not None and key is not None and kind in CONTAINERS and not keep.reaches(key):
         return _DROP  # what walking it would give: every leaf dropped
     if kind in ("dict", "odict"):
         out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
-        for (_ktype, k), child in value:
-            if keep is not None and _dropped(child, keep, key_string((*path, k))):
+        for k, child in children(kind, value, key, keep):
+            if keep is not None and _dropped(keep, key_string((*path, k))):
                 continue
             v = decode(child, load_leaf, keep, (*path, k))
             if v is not _DROP:
@@ -273,8 +287,9 @@ def decode(node: Any, load_leaf: LeafLoader, keep: KeyFilter | None = None,
             out._metadata = decode(node["meta"], load_leaf, None, (*path, "_metadata"))  # type: ignore[attr-defined]
         return out
     if kind in ("list", "tuple"):
-        items = [decode(c, load_leaf, keep, (*path, i)) for i, c in enumerate(value)
-                 if keep is None or not _dropped(c, keep, key_string((*path, i)))]
+        items = [decode(c, load_leaf, keep, (*path, i))
+                 for i, c in children(kind, value, key, keep)
+                 if keep is None or not _dropped(keep, key_string((*path, i)))]
         kept = [v for v in items if v is not _DROP]
         if keep is not None and not kept and value:
             return _DROP
@@ -296,14 +311,12 @@ def decode(node: Any, load_leaf: LeafLoader, keep: KeyFilter | None = None,
     raise AssertionError(f"unvalidated tree node {kind}")
 
 
-def _dropped(node: Any, keep: KeyFilter, key: str) -> bool:
-    """True if `decode(node, ..., keep)` at dotted `key` would return _DROP, decided without
-    walking it (a wide dict's unselected children cost a set lookup each): nothing below
-    `key` is kept, and it is not an empty container (decode keeps those)."""
-    if keep.reaches(key):
-        return False
-    kind, value = node_kind(node)
-    return not (kind in CONTAINERS and not value)
+def _dropped(keep: KeyFilter, key: str) -> bool:
+    """True if `decode` of the child at dotted `key` would return _DROP, decided without
+    walking it (a wide dict's unselected children cost a set lookup each): nothing at or
+    below `key` can be kept (an empty container there included: a filtered load returns what
+    was selected and the containers leading to it, nothing else)."""
+    return not keep.reaches(key)
 
 
 class _Drop:
@@ -337,8 +350,15 @@ def _collect_paths(node: Any, path: Path, out: dict[int, Path]) -> None:
 CONTAINERS = frozenset({"dict", "odict", "list", "tuple"})
 
 
-def children(kind: str, value: Any) -> Iterator[tuple[Any, Any]]:
-    """(name, child) of a validated container node: dict keys, or list / tuple positions."""
+def children(kind: str, value: Any, key: str | None = None, keep: KeyFilter | None = None
+             ) -> Iterator[tuple[Any, Any]]:
+    """(name, child) of a validated container node: dict keys, or list / tuple positions.
+    With `keep`, a paged container (tree_pages.PagedItems, at dotted `key`, None for the root)
+    gives only the children of the pages that can hold one `keep` reaches: every child
+    `keep.reaches` accepts, in order, and maybe others (the caller still tests each)."""
+    reaching = None if keep is None else getattr(value, "reaching", None)
+    if reaching is not None:
+        return iter(reaching(key, keep))
     if kind in ("dict", "odict"):
         return ((k, child) for (_t, k), child in value)
     return enumerate(value)
@@ -377,7 +397,7 @@ def _each_tensor_leaf(node: Any, key: str | None, keep: KeyFilter | None,
     reach is not walked."""
     kind, value = node_kind(node)
     if kind in CONTAINERS:
-        for name, child in children(kind, value):
+        for name, child in children(kind, value, key, keep):
             child_key = str(name) if key is None else f"{key}.{name}"
             if keep is None or keep.reaches(child_key):  # else it holds no accepted leaf
                 _each_tensor_leaf(child, child_key, keep, visit)

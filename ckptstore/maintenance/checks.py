@@ -28,6 +28,7 @@ from ..format.hashing import XXH3_128, HashAlgorithm
 from ..format.manifest import ChunkRef, Manifest, TensorEntry
 from ..format.segment_encoding import IndexBlob
 from ..format.segments import SegmentedEntries
+from ..format.tree_pages import page_loads
 from ..layout import BLOB_PREFIX, blob_key, blob_of_key
 from ..stores.base import Buffer, Store
 from . import leases
@@ -153,7 +154,10 @@ def _readable_entries(store: Store, m: Manifest, report: VerifyReport
     if not isinstance(entries, SegmentedEntries):
         yield from entries
         return
-    _index_blob(store, m, report, m.tree_ref(), lambda: m.tree, "(state tree)")
+    tree = _index_blob(store, m, report, m.tree_ref(), lambda: m.tree, "(state tree)")
+    if tree is not None:
+        for page, read in page_loads(tree):
+            _index_blob(store, m, report, page, read, "(state tree page)")
     for s, ref in enumerate(entries.refs):
         part = _index_blob(store, m, report, ref, functools.partial(entries.segment, s),
                            "(index segment)")

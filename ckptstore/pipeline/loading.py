@@ -481,7 +481,7 @@ def _leaf_keys_reached(node: Any, keep: tree_mod.KeyFilter, key: str | None = No
     kind, value = tree_mod.node_kind(node)
     if kind not in tree_mod.CONTAINERS:
         return ["" if key is None else key]
-    return [leaf for name, child in tree_mod.children(kind, value)
+    return [leaf for name, child in tree_mod.children(kind, value, key, keep)
             for leaf in _leaf_keys_reached(child, keep,
                                            str(name) if key is None else f"{key}.{name}")]
 

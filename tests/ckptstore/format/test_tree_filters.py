@@ -1,8 +1,8 @@
 """format/tree.py's filtered walks (`decode`, `leaf_keys`, `tied_keys` with a KeyFilter)
 skip a container's unselected children without walking them; they must give exactly what
 the plain rule gives: a leaf is kept iff its dotted key passes the filter, a container is
-dropped when it had children and all were dropped (or none could be kept), empty containers
-are kept. Checked
+dropped when none of it could be kept (an empty one included) or it had children and all
+were dropped; a selected empty container is kept. Checked
 against that rule, written out naively, on random trees (dotted dict keys, tied tensors,
 empty containers and wide dicts included)."""
 
@@ -33,12 +33,12 @@ def _could_hold(keep: KeyFilter, key: str) -> bool:
 
 
 def _naive(node: Any, keep: KeyFilter, key: str | None) -> Any:
-    """The rule, without any pruning: (value, dropped). A non-empty container that can hold
-    no kept key is dropped whole (an empty container inside it too)."""
+    """The rule, without any pruning: (value, dropped). A container that can hold no kept
+    key is dropped whole (an empty one too)."""
     (kind, value), = node.items()
     if kind in ("dict", "list"):
         pairs = ([(k, c) for (_t, k), c in value] if kind == "dict" else list(enumerate(value)))
-        if key is not None and pairs and not _could_hold(keep, key):
+        if key is not None and not _could_hold(keep, key):
             return None, True
         out = [(k, _naive(c, keep, str(k) if key is None else f"{key}.{k}")) for k, c in pairs]
         kept = [(k, v) for k, (v, dropped) in out if not dropped]
