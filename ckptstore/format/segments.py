@@ -24,7 +24,7 @@ import numpy as np
 
 from ..collector import paused_collector
 from ..errors import FormatError
-from .codecs import parse_codec
+from .codecs import Codec, parse_codec
 from .dtypes import DTYPES
 from .manifest import (
     FORMAT_VERSION,
@@ -46,8 +46,8 @@ from .segment_encoding import (
     is_segmented,
 )
 
-__all__ = ["MAX_SEGMENT_BYTES", "ChunkTable", "SegmentRef", "SegmentSource",
-           "SegmentedEntries", "chunk_table", "decode", "version_for"]
+__all__ = ["MAX_SEGMENT_BYTES", "ChunkColumns", "ChunkTable", "SegmentRef", "SegmentSource",
+           "SegmentedEntries", "chunk_columns", "chunk_table", "decode", "version_for"]
 
 
 def version_for(entries: Sequence[TensorEntry]) -> int:
@@ -119,6 +119,59 @@ def chunk_table(data: bytes, ref: SegmentRef, where: str) -> ChunkTable:
     except FormatError as exc:
         raise FormatError(f"{where}: index segment {ref.digest}: {exc}") from None
     return ChunkTable(tuple(blob_names), blob_index.astype(np.int64), offsets, sizes)
+
+
+class ChunkColumns:
+    """Every chunk reference of one segment, with its raw digest and its tensor's codec, as
+    columns: what an incremental save needs of its parent (the chunks it may reuse), read
+    without building or validating entries (`chunk_columns`). `ref(j)` builds chunk j's
+    ChunkRef; `by_codec()` maps each codec (None: raw) to {raw digest: chunk index}."""
+
+    def __init__(self, blobs: list[str], columns: list[np.ndarray], digests: list[str],
+                 codecs: list[tuple[Codec | None, int]]) -> None:
+        self._blobs = blobs
+        self._index, self._offsets, self._sizes, self._nbytes = columns
+        self.digests = digests
+        self._codecs = codecs  # (codec, chunk count) per tensor, in order
+
+    def ref(self, j: int) -> ChunkRef:
+        return ChunkRef(self._blobs[int(self._index[j])], int(self._offsets[j]),
+                        int(self._sizes[j]), int(self._nbytes[j]), self.digests[j])
+
+    def by_codec(self) -> dict[Codec | None, dict[str, int]]:
+        if all(codec is None for codec, _n in self._codecs):  # the common case: one pass
+            return {None: dict(zip(self.digests, range(len(self.digests))))}
+        out: dict[Codec | None, dict[str, int]] = {}
+        at = 0
+        for codec, n in self._codecs:
+            out.setdefault(codec, {}).update(zip(self.digests[at:at + n], range(at, at + n)))
+            at += n
+        return out
+
+
+def chunk_columns(data: bytes, ref: SegmentRef, where: str) -> ChunkColumns:
+    """The chunk references of segment `ref` (bytes already matched to its digest) with their
+    digests and codecs: its framing and each record's codec and chunk count are checked
+    (FormatError, prefixed by `where`), and a raw chunk must store exactly its raw bytes; the
+    entries' other rules are `decode`'s."""
+    try:
+        records, blob_names, nchunks, pos = _frame(data, ref)
+        columns = _columns(data, nchunks, pos, len(blob_names))
+        pos += sum(width for _dtype, width in CHUNK_COLUMNS) * nchunks
+        codecs = []
+        for i, rec in enumerate(records):
+            if type(rec) is not list or len(rec) != 11 or type(rec[6]) is not int or rec[6] < 0:
+                raise FormatError(f"tensor record {i} malformed")
+            codecs.append((None if rec[5] is None else parse_codec(rec[5]), rec[6]))
+        counts = [n for _c, n in codecs]
+        if sum(counts) != nchunks:
+            raise FormatError("its records' chunk counts differ from its chunk count")
+        raw = np.repeat(np.array([c is None for c, _n in codecs], dtype=bool), counts)
+        if np.any(raw & (columns[2] != columns[3])):
+            raise FormatError("a raw chunk's stored size differs from its raw size")
+    except FormatError as exc:
+        raise FormatError(f"{where}: index segment {ref.digest}: {exc}") from None
+    return ChunkColumns(blob_names, columns, _hexes(data[pos:]), codecs)
 
 
 def _decode(data: bytes, ref: SegmentRef) -> list[TensorEntry]:
@@ -218,6 +271,13 @@ class SegmentedEntries(Sequence[TensorEntry]):
             raise FormatError(f"{self._where}: its index segments are not available here "
                               "(only the manifest root was read)")
         return self._source(ref)
+
+    def chunk_columns(self) -> Iterator[ChunkColumns | list[TensorEntry]]:
+        """Each segment in order: its entries where already parsed, else its chunk columns
+        straight from its bytes (not kept, no entries built; see `chunk_columns`)."""
+        for s, ref in enumerate(self.refs):
+            got = self._parsed.get(s)
+            yield got if got is not None else chunk_columns(self._bytes(ref), ref, self._where)
 
     def chunk_tables(self) -> Iterator[ChunkTable]:
         """The chunk references of each segment in order, as columns: a segment already

@@ -45,7 +45,7 @@ from ..format.manifest import (
     TensorEntry,
     expected_chunk_count,
 )
-from ..format.segments import version_for
+from ..format.segments import ChunkColumns, version_for
 from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
@@ -85,21 +85,38 @@ class KnownChunks:
 
     def __init__(self) -> None:
         self._refs: dict[tuple[str, str | None], ChunkRef] = {}
+        #: chunks of parent segments read as columns: (raw digest, codec) -> where; a
+        #: ChunkRef is built (and moved to `_refs`) when one is found
+        self._columns: dict[str | None, list[tuple[dict[str, int], ChunkColumns]]] = {}
         self._lock = threading.Lock()
         #: index blobs (segments, trees of version-3 manifests) the store holds: a commit
         #: reuses them
         self.index_blobs: set[str] = set()
 
     @staticmethod
-    def _key(raw_digest: str, codec: Codec | None) -> tuple[str, str | None]:
-        return (raw_digest, None if codec is None else f"{codec.id}:{codec.level}")
+    def _codec_key(codec: Codec | None) -> str | None:
+        return None if codec is None else f"{codec.id}:{codec.level}"
+
+    @classmethod
+    def _key(cls, raw_digest: str, codec: Codec | None) -> tuple[str, str | None]:
+        return (raw_digest, cls._codec_key(codec))
 
     def add_manifest(self, manifest: Manifest) -> None:
+        """Every chunk of `manifest`. A version-3 manifest read from a store gives its
+        segments as chunk columns (`segments.chunk_columns`): no entries are built."""
         with self._lock:
             self.index_blobs.update(r.digest for r in manifest.index_blobs())
-        for t in manifest.tensors:
-            for c in t.chunks:
-                self.add(c, t.codec)
+        columns = getattr(manifest.tensors, "chunk_columns", None)
+        parts = [manifest.tensors] if columns is None else columns()
+        for part in parts:
+            if not isinstance(part, ChunkColumns):
+                for t in part:
+                    for c in t.chunks:
+                        self.add(c, t.codec)
+                continue
+            with self._lock:
+                for codec, found in part.by_codec().items():
+                    self._columns.setdefault(self._codec_key(codec), []).append((found, part))
 
     def add(self, ref: ChunkRef, codec: Codec | None) -> None:
         with self._lock:
@@ -112,12 +129,22 @@ class KnownChunks:
                 self._refs.setdefault((ref.digest, None), ref)
 
     def find(self, raw_digest: str, nbytes: int, codec: Codec | None) -> ChunkRef | None:
+        key = self._key(raw_digest, codec)
         with self._lock:
-            ref = self._refs.get(self._key(raw_digest, codec))
+            ref = self._refs.get(key)
+            if ref is None:
+                for found, part in self._columns.get(key[1], ()):
+                    j = found.get(raw_digest)
+                    if j is not None:
+                        ref = self._refs[key] = part.ref(j)
+                        break
         return ref if ref is not None and ref.nbytes == nbytes else None
 
     def __len__(self) -> int:
-        return len(self._refs)
+        """Distinct (raw digest, codec) known (a digest in two parent segments counts
+        twice until it is looked up)."""
+        return len(self._refs) + sum(len(found) for parts in self._columns.values()
+                                     for found, _p in parts)
 
 
 class _Stats:

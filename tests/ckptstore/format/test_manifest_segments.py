@@ -9,6 +9,7 @@ import json
 import os
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from hypothesis import strategies as st
 
 import ckptstore
 from ckptstore import CheckpointStore, FormatError
+from ckptstore.format import segments as segments_mod
+from ckptstore.format.codecs import Codec
 from ckptstore.format.manifest import FORMAT_VERSION, SEGMENTED_VERSION
 from ckptstore.format.manifest_parse import parse_manifest
 from ckptstore.format.segment_encoding import (
@@ -29,7 +32,7 @@ from ckptstore.format.segment_encoding import (
     cut,
     encode,
 )
-from ckptstore.format.segments import SegmentedEntries, chunk_table, decode
+from ckptstore.format.segments import SegmentedEntries, chunk_columns, chunk_table, decode
 from ckptstore.layout import blob_key
 from ckptstore.tools import inspection
 from tests.helpers import sealed_manifest
@@ -368,6 +371,52 @@ def test_a_chunk_table_read_from_the_bytes_equals_the_entries_chunks() -> None:
                                for b in {c.blob for t in ENTRIES for c in t.chunks}}
 
 
+def test_chunk_columns_give_every_chunk_with_its_codec() -> None:
+    zstd = Codec("zstd", 3)
+    entries = [replace(t, codec=zstd, chunks=tuple(replace(c, size=c.size - 1)
+                                                   for c in t.chunks)) if i % 3 == 0 else t
+               for i, t in enumerate(ENTRIES)]
+    data = encode(entries)
+    ref = SegmentRef("0" * 32, len(data), len(entries), REF.nbytes)
+    cols = chunk_columns(data, ref, "x")
+    chunks = [(c, t.codec) for t in entries for c in t.chunks]
+    assert [cols.ref(j) for j in range(len(chunks))] == [c for c, _codec in chunks]
+    found = cols.by_codec()
+    assert set(found) == {None, zstd}
+    for codec, by_digest in found.items():
+        assert {d: cols.ref(j).digest for d, j in by_digest.items()} == {
+            c.digest: c.digest for c, k in chunks if k == codec}
+    # a raw chunk whose stored size is not its raw size would be read wrong: refused
+    bad = [replace(t, chunks=(replace(t.chunks[0], size=t.chunks[0].size + 1),
+                              *t.chunks[1:])) if i == 1 else t for i, t in enumerate(ENTRIES)]
+    data = encode(bad)
+    with pytest.raises(FormatError, match="raw chunk's stored size"):
+        chunk_columns(data, SegmentRef("0" * 32, len(data), len(bad), REF.nbytes), "x")
+
+
+def test_an_incremental_save_reads_its_parent_as_chunk_columns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save from a fresh process learns its parent's chunks from the segments' columns
+    (no entry is decoded) and still reuses exactly what it may: every chunk with the same
+    codec, none written with another one."""
+    state = big_state()
+    state["big"] = torch.zeros(1 << 18)  # 1 MiB: compressed with zstd
+    CheckpointStore(str(tmp_path)).save("a", state, compression="zstd")
+    decoded: list[int] = []
+    real = segments_mod._decode
+    monkeypatch.setattr(segments_mod, "_decode",
+                        lambda data, ref: decoded.append(1) or real(data, ref))
+    same = CheckpointStore(str(tmp_path)).save("b", state, compression="zstd")
+    assert decoded == [] and same.written_bytes == 0
+    raw = CheckpointStore(str(tmp_path)).save("c", state, compression=None)
+    assert decoded == [] and raw.written_bytes == 1 << 20  # only the compressed one again
+    monkeypatch.undo()
+    for name in ("b", "c"):
+        out = CheckpointStore(str(tmp_path)).load(name)
+        assert torch.equal(out["big"], state["big"])
+        assert_loaded(out, state)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, len(SEGMENT) - 1), st.integers(1, 255))
 def test_a_flipped_byte_is_refused_or_decodes_to_valid_entries(pos: int, xor: int) -> None:
@@ -379,6 +428,11 @@ def test_a_flipped_byte_is_refused_or_decodes_to_valid_entries(pos: int, xor: in
         table = chunk_table(bytes(data), REF, "x")
         assert len(table.blob_index) == len(table.offsets) == len(table.sizes)
         assert all(0 <= i < len(table.blobs) for i in table.blob_index.tolist())
+    except FormatError:
+        pass
+    try:
+        cols = chunk_columns(bytes(data), REF, "x")
+        assert all(len(cols.ref(j).blob) == 32 for j in range(len(cols.digests)))
     except FormatError:
         pass
     try:
@@ -396,3 +450,5 @@ def test_a_truncated_segment_is_refused(n: int) -> None:
         decode(SEGMENT[:n], ref, "x")
     with pytest.raises(FormatError):
         chunk_table(SEGMENT[:n], ref, "x")
+    with pytest.raises(FormatError):
+        chunk_columns(SEGMENT[:n], ref, "x")
