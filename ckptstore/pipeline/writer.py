@@ -16,6 +16,7 @@ one module.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures as cf
 import threading
 import time
@@ -85,9 +86,12 @@ class KnownChunks:
 
     def __init__(self) -> None:
         self._refs: dict[tuple[str, str | None], ChunkRef] = {}
-        #: chunks of parent segments read as columns: (raw digest, codec) -> where; a
-        #: ChunkRef is built (and moved to `_refs`) when one is found
-        self._columns: dict[str | None, list[tuple[dict[str, int], ChunkColumns]]] = {}
+        #: chunks of parent segments read as columns: codec -> {raw digest: n}, chunk n
+        #: counting over `_parts` in order (`_starts`: each part's first n); a ChunkRef is
+        #: built (and kept in `_refs`) when one is found
+        self._columns: dict[str | None, dict[str, int]] = {}
+        self._parts: list[ChunkColumns] = []
+        self._starts: list[int] = []
         self._lock = threading.Lock()
         #: index blobs (segments, trees of version-3 manifests) the store holds: a commit
         #: reuses them
@@ -115,8 +119,11 @@ class KnownChunks:
                         self.add(c, t.codec)
                 continue
             with self._lock:
-                for codec, found in part.by_codec().items():
-                    self._columns.setdefault(self._codec_key(codec), []).append((found, part))
+                base = self._starts[-1] + len(self._parts[-1].digests) if self._parts else 0
+                for codec, found in part.by_codec(base).items():
+                    self._columns.setdefault(self._codec_key(codec), {}).update(found)
+                self._parts.append(part)
+                self._starts.append(base)
 
     def add(self, ref: ChunkRef, codec: Codec | None) -> None:
         with self._lock:
@@ -129,22 +136,33 @@ class KnownChunks:
                 self._refs.setdefault((ref.digest, None), ref)
 
     def find(self, raw_digest: str, nbytes: int, codec: Codec | None) -> ChunkRef | None:
-        key = self._key(raw_digest, codec)
+        return self.find_raw([(raw_digest, nbytes)], codec)[0]
+
+    def find_raw(self, chunks: Sequence[tuple[str, int]], codec: Codec | None = None
+                 ) -> list[ChunkRef | None]:
+        """`find` for many (raw digest, nbytes) of one codec, under one lock: the pack jobs
+        of a save run in many threads, and a lock taken per small array by each of them
+        made them wait on each other (and on the GIL's hand-offs) for most of the save."""
+        ck = self._codec_key(codec)
+        out: list[ChunkRef | None] = []
         with self._lock:
-            ref = self._refs.get(key)
-            if ref is None:
-                for found, part in self._columns.get(key[1], ()):
-                    j = found.get(raw_digest)
-                    if j is not None:
-                        ref = self._refs[key] = part.ref(j)
-                        break
-        return ref if ref is not None and ref.nbytes == nbytes else None
+            columns = self._columns.get(ck, {})
+            for raw_digest, nbytes in chunks:
+                ref = self._refs.get((raw_digest, ck))
+                if ref is None:
+                    n = columns.get(raw_digest)
+                    if n is not None:
+                        p = bisect.bisect_right(self._starts, n) - 1
+                        ref = self._refs[(raw_digest, ck)] = self._parts[p].ref(
+                            n - self._starts[p])
+                out.append(ref if ref is not None and ref.nbytes == nbytes else None)
+        return out
 
     def __len__(self) -> int:
-        """Distinct (raw digest, codec) known (a digest in two parent segments counts
-        twice until it is looked up)."""
-        return len(self._refs) + sum(len(found) for parts in self._columns.values()
-                                     for found, _p in parts)
+        """Distinct (raw digest, codec) known."""
+        with self._lock:
+            return len(set(self._refs) | {(d, k) for k, found in self._columns.items()
+                                          for d in found})
 
 
 class _Stats:
@@ -456,10 +474,11 @@ class CheckpointWriter:
         found: dict[str, list[tuple[int, memoryview, str, ChunkRef]]] = defaultdict(list)
         reused = 0
         t0 = time.perf_counter()
-        for index, leaf in members:
-            raw = _flat_bytes(np.ascontiguousarray(leaf.array))
-            d = self.options.hash.digest(raw)
-            ref = self.known.find(d, len(raw), None)
+        digest = self.options.hash.digest
+        raws = [_flat_bytes(np.ascontiguousarray(leaf.array)) for _index, leaf in members]
+        digests = [digest(raw) for raw in raws]
+        known = self.known.find_raw([(d, len(raw)) for d, raw in zip(digests, raws)])
+        for (index, _leaf), raw, d, ref in zip(members, raws, digests, known):
             if ref is not None:
                 found[ref.blob].append((index, raw, d, ref))
             else:
