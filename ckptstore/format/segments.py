@@ -125,7 +125,7 @@ class ChunkColumns:
     """Every chunk reference of one segment, with its raw digest and its tensor's codec, as
     columns: what an incremental save needs of its parent (the chunks it may reuse), read
     without building or validating entries (`chunk_columns`). `ref(j)` builds chunk j's
-    ChunkRef; `by_codec()` maps each codec (None: raw) to {raw digest: chunk index}."""
+    ChunkRef; `by_codec()` maps each codec to the chunks' digests."""
 
     def __init__(self, blobs: list[str], columns: list[np.ndarray], digests: list[str],
                  codecs: list[tuple[Codec | None, int]]) -> None:
@@ -138,13 +138,15 @@ class ChunkColumns:
         return ChunkRef(self._blobs[int(self._index[j])], int(self._offsets[j]),
                         int(self._sizes[j]), int(self._nbytes[j]), self.digests[j])
 
-    def by_codec(self) -> dict[Codec | None, dict[str, int]]:
+    def by_codec(self, base: int = 0) -> dict[Codec | None, dict[str, int]]:
+        """Each codec (None: raw) -> {raw digest: `base` + chunk index}."""
         if all(codec is None for codec, _n in self._codecs):  # the common case: one pass
-            return {None: dict(zip(self.digests, range(len(self.digests))))}
+            return {None: dict(zip(self.digests, range(base, base + len(self.digests))))}
         out: dict[Codec | None, dict[str, int]] = {}
         at = 0
         for codec, n in self._codecs:
-            out.setdefault(codec, {}).update(zip(self.digests[at:at + n], range(at, at + n)))
+            out.setdefault(codec, {}).update(zip(self.digests[at:at + n],
+                                                 range(base + at, base + at + n)))
             at += n
         return out
 
