@@ -233,6 +233,7 @@ class PagedItems(Sequence[Any]):
         self._firsts = [p.first for p in pages]
         self._rows: dict[int, list[tuple[int, str, Any]]] = {}
         self._all: list[Any] | None = None
+        self._reached: tuple[KeyFilter, str | None, list[tuple[Any, Any]]] | None = None
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -276,8 +277,17 @@ class PagedItems(Sequence[Any]):
         """(name, child) of the children under this container (at dotted `key`, None for the
         root) on the pages that can hold a child `keep` reaches, in the container's order:
         every child `keep.reaches` accepts, and others from the same pages (callers filter)."""
+        cached = self._reached
+        if cached is not None and cached[0] is keep and cached[1] == key:
+            return cached[2]  # the walks of one load ask the same question several times
+        got = self._reaching(key, keep)
+        self._reached = (keep, key, got)
+        return got
+
+    def _reaching(self, key: str | None, keep: KeyFilter) -> list[tuple[Any, Any]]:
+        dicts = self.kind in _DICTS
         if key is not None and keep(key):
-            wanted = range(len(self.pages))
+            wanted: Sequence[int] = range(len(self.pages))
         else:
             exact, below = keep.child_names(key)
             found: set[int] = set()
@@ -289,9 +299,11 @@ class PagedItems(Sequence[Any]):
                 lo = max(0, bisect.bisect_right(self._firsts, name + ".") - 1)
                 hi = bisect.bisect_left(self._firsts, name + "/")  # "/" follows "."
                 found.update(range(lo, hi))
-            wanted = sorted(found)  # type: ignore[assignment]
+            wanted = sorted(found)
+        if len(wanted) == len(self.pages):  # every page: the container's own order
+            return [(item[0][1], item[1]) if dicts else (pos, item)
+                    for pos, item in enumerate(self._everything())]
         rows = sorted((row for j in wanted for row in self.page(j)), key=lambda r: r[0])
-        dicts = self.kind in _DICTS
         return [(item[0][1], item[1]) if dicts else (pos, item) for pos, _n, item in rows]
 
 
