@@ -152,9 +152,16 @@ def targets(results: dict[str, Any]) -> list[Target]:
         out.append(Target(f"load(keys=[{k1000['k']:,} keys]) of {keys['tensors']:,} tensors "
                           "(issue: 16x load())", "<= load() of all", f"{ratio:.2f}x load()",
                           ratio <= 1.0))
-        flat = top["plan"]["best_s"] / first["plan"]["best_s"]
-        out.append(Target(f"plan_load O(N + K): keys=[{top['k']:,}] vs keys=[{first['k']}]",
-                          "<= 2x (flat in K)", f"{flat:.2f}x", flat <= 2.0))
+        # O(N + K), not O(N x K): a key costs no more when there are many. A plan of one key
+        # no longer walks the N tensors (it reads the pages on its path), so "keys=[many] vs
+        # keys=[1]" measures K alone; compare each key's cost at 10x the keys instead
+        mid = next((r for r in keys["rows"] if r["k"] * 10 == top["k"]), first)
+        per_mid = mid["plan"]["best_s"] / mid["k"]
+        marginal = (top["plan"]["best_s"] - mid["plan"]["best_s"]) / (top["k"] - mid["k"])
+        out.append(Target(f"plan_load O(N + K): per key, keys=[{top['k']:,}] vs "
+                          f"keys=[{mid['k']:,}]", "<= 2x (no growth per key)",
+                          f"{marginal * 1e6:.1f} vs {per_mid * 1e6:.1f} us/key "
+                          f"({marginal / per_mid:.2f}x)", marginal <= 2 * per_mid))
     inc = parts.get("incremental")
     if inc:
         out.append(Target(f"incremental save from a restarted process ({inc['tensors']:,})",
