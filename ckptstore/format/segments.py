@@ -268,6 +268,18 @@ class SegmentedEntries(Sequence[TensorEntry]):
                     got = self._parsed[s] = decode(data, ref, self._where)
             return got
 
+    def read_segment(self, s: int) -> list[TensorEntry]:
+        """The entries of segment `s`, read and validated as `segment` does but not kept
+        (those `segment` kept already are returned): for one pass over every entry of many
+        checkpoints (verify), whose memory would otherwise grow with all of them."""
+        got = self._parsed.get(s)
+        if got is not None:
+            return got
+        ref = self.refs[s]
+        data = self._bytes(ref)
+        with paused_collector():
+            return decode(data, ref, self._where)
+
     def _bytes(self, ref: SegmentRef) -> bytes:
         if self._source is None:
             raise FormatError(f"{self._where}: its index segments are not available here "

@@ -239,6 +239,12 @@ class PagedItems(Sequence[Any]):
     def __len__(self) -> int:
         return self.length
 
+    def read_page(self, j: int) -> list[tuple[int, str, Any]]:
+        """Page `j` as `page` gives it, but not kept (unless `page` kept it already): for one
+        pass over every page of many checkpoints (verify)."""
+        got = self._rows.get(j)
+        return got if got is not None else self._set.read(self, j)
+
     def page(self, j: int) -> list[tuple[int, str, Any]]:
         got = self._rows.get(j)
         if got is None:
@@ -309,8 +315,9 @@ class PagedItems(Sequence[Any]):
 
 def page_loads(tree: Any) -> Iterator[tuple[TreeRef, Callable[[], Any]]]:
     """(page, read it) for every page of a resolved tree, depth first, a nested page after the
-    page that names it (found once that page was read); for checking every page (verify). A
-    page whose read fails hides the pages below it."""
+    page that names it (found once the caller read that page); for checking every page
+    (verify). Pages read this way are not kept. A page not read, or whose read failed, hides
+    the pages below it."""
     stack = [tree]
     while stack:
         node = stack.pop()
@@ -324,9 +331,12 @@ def page_loads(tree: Any) -> Iterator[tuple[TreeRef, Callable[[], Any]]]:
             stack.extend(item[1] if dicts else item for item in value)
             continue
         for j, page in enumerate(value.pages):
-            yield page.ref, functools.partial(value.page, j)
-            try:
-                rows = value.page(j)  # read by the caller already, unless it failed
-            except FormatError:
-                continue
+            rows: list[tuple[int, str, Any]] = []
+            yield page.ref, functools.partial(_read_into, value, j, rows)
             stack.extend(item[1] if dicts else item for _pos, _name, item in rows)
+
+
+def _read_into(items: PagedItems, j: int, rows: list[tuple[int, str, Any]]
+               ) -> list[tuple[int, str, Any]]:
+    rows[:] = items.read_page(j)
+    return rows

@@ -112,44 +112,79 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
            sample: float = 1.0,
            workers: int = 8,
            progress: Callable[[int], Any] | None = None) -> VerifyReport:
-    """Check every blob the manifests reference (or a random `sample` fraction)."""
+    """Check every blob the manifests reference (or a random `sample` fraction of them).
+
+    One manifest's entries at a time, not kept (a version-3 manifest's segments are read and
+    let go): memory grows with the distinct chunks checked (a set of their places), not with
+    the number and size of the checkpoints. A blob is read again only by a later checkpoint
+    that uses a part of it not yet checked; a blob found bad is not read again, and every
+    checkpoint and key using it is named."""
     if not 0 < sample <= 1:
         raise ValueError("sample must be in (0, 1]")
     t0 = time.perf_counter()
-    uses: dict[str, list[tuple[str, TensorEntry, ChunkRef]]] = defaultdict(list)
     report = VerifyReport([m.name for m in manifests])
-    for m in manifests:
-        for t in _readable_entries(store, m, report):
-            for c in t.chunks:
-                uses[c.blob].append((m.name, t, c))
-    blobs = sorted(uses)
+    chosen: set[str] | None = None
     if sample < 1:
-        blobs = random.sample(blobs, max(1, round(len(blobs) * sample))) if blobs else []
+        blobs = sorted(chunk_blobs(manifests))
+        chosen = set(random.sample(blobs, max(1, round(len(blobs) * sample))) if blobs else ())
+    checked: set[tuple[str, int, int]] = set()  # (blob, offset, size) of good chunks
+    bad: dict[str, tuple[str, str, set[str], set[str]]] = {}  # blob -> problem, detail, users
     with cf.ThreadPoolExecutor(workers) as pool:
-        futures = {pool.submit(_check_blob, store, algorithm.digest, b, uses[b]): b
-                   for b in blobs}
-        for fut in cf.as_completed(futures):
-            blob = futures[fut]
-            result = fut.result()
-            report.blobs_checked += 1
-            if progress is not None:
-                progress(1)
-            report.bytes_checked += result[0]  # bytes actually read, once per blob
-            if result[1] == "ok":
-                continue
-            names = tuple(sorted({n for n, _t, _c in uses[blob]}))
-            keys = tuple(sorted({t.key for _n, t, _c in uses[blob]}))
-            report.problems.append(BlobProblem(blob, result[1], result[2], names, keys))
+        for m in manifests:
+            uses = _unchecked_uses(store, m, report, chosen, checked, bad)
+            futures = {pool.submit(_check_blob, store, algorithm.digest, b, u): b
+                       for b, u in uses.items()}
+            for fut in cf.as_completed(futures):
+                blob = futures[fut]
+                read, verdict, detail = fut.result()
+                report.blobs_checked += 1
+                if progress is not None:
+                    progress(1)
+                report.bytes_checked += read  # bytes actually read
+                if verdict == "ok":
+                    checked.update((blob, c.offset, c.size) for _n, _t, c in uses[blob])
+                else:
+                    bad[blob] = (verdict, detail, {n for n, _t, _c in uses[blob]},
+                                 {t.key for _n, t, _c in uses[blob]})
+    report.problems.extend(BlobProblem(blob, verdict, detail, tuple(sorted(names)),
+                                       tuple(sorted(keys)))
+                           for blob, (verdict, detail, names, keys) in bad.items())
     report.problems.sort(key=lambda p: p.blob)
     report.seconds = time.perf_counter() - t0
     return report
 
 
+def chunk_blobs(manifests: list[Manifest]) -> set[str]:
+    """Every blob a chunk of the manifests lies in, read from chunk tables (no entries)."""
+    return {b for m in manifests for table in m.chunk_tables() for b in table.blobs}
+
+
+def _unchecked_uses(store: Store, m: Manifest, report: VerifyReport, chosen: set[str] | None,
+                    checked: set[tuple[str, int, int]],
+                    bad: dict[str, tuple[str, str, set[str], set[str]]]
+                    ) -> dict[str, list[tuple[str, TensorEntry, ChunkRef]]]:
+    """The chunks of `m` still to check, by blob: those in `chosen` blobs (None: all), not
+    already found good, and not in a blob already found bad (whose users `m` joins)."""
+    uses: dict[str, list[tuple[str, TensorEntry, ChunkRef]]] = defaultdict(list)
+    for t in _readable_entries(store, m, report):
+        for c in t.chunks:
+            if chosen is not None and c.blob not in chosen:
+                continue
+            known_bad = bad.get(c.blob)
+            if known_bad is not None:
+                known_bad[2].add(m.name)
+                known_bad[3].add(t.key)
+            elif (c.blob, c.offset, c.size) not in checked:
+                uses[c.blob].append((m.name, t, c))
+    return uses
+
+
 def _readable_entries(store: Store, m: Manifest, report: VerifyReport
                       ) -> Iterator[TensorEntry]:
-    """The tensor entries of `m`. A version-3 manifest's index blobs (its tree and segments)
-    are read and checked whole, always; one that is missing or damaged is a problem of the
-    report, and a segment's tensors' chunks then cannot be checked."""
+    """The tensor entries of `m`, a segment at a time (not kept). A version-3 manifest's index
+    blobs (its tree, its pages and its segments) are read and checked whole, always; one
+    that is missing or damaged is a problem of the report, and a segment's tensors' chunks
+    then cannot be checked."""
     entries = m.tensors
     if not isinstance(entries, SegmentedEntries):
         yield from entries
@@ -159,7 +194,7 @@ def _readable_entries(store: Store, m: Manifest, report: VerifyReport
         for page, read in page_loads(tree):
             _index_blob(store, m, report, page, read, "(state tree page)")
     for s, ref in enumerate(entries.refs):
-        part = _index_blob(store, m, report, ref, functools.partial(entries.segment, s),
+        part = _index_blob(store, m, report, ref, functools.partial(entries.read_segment, s),
                            "(index segment)")
         if part is not None:
             yield from part
