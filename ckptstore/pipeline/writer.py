@@ -576,9 +576,14 @@ class CheckpointWriter:
     def commit(self, manifest: Manifest, manifest_key: str) -> bytes:
         """Write a version-3 manifest's new index blobs (segments, tree), make the blobs
         durable, then create the manifest (its root) create-only. Returns the bytes
-        committed. A manifest over MAX_MANIFEST_BYTES, or an index blob over its cap, is
-        refused before anything of it is written (a reader would refuse it: it must never be
-        created)."""
+        committed. A manifest over MAX_MANIFEST_BYTES, an index blob over its cap, or an entry
+        that breaks `entry_problem` is refused before anything of it is written (a reader
+        would refuse it: it must never be created)."""
+        if type(manifest.tensors) is tuple:  # a writer's own entries: checked before, not after
+            bad = [t.key for t, ok in zip(manifest.tensors, manifest.entries_ok()) if not ok]
+            if bad:  # e.g. a parent's damaged chunk reference reused (read as chunk columns)
+                raise FormatError(f"checkpoint {manifest.name!r}: the entries of {bad[:5]} "
+                                  "break the manifest rules; nothing was committed")
         index = manifest.index_blob_data()
         body = manifest.to_bytes()
         if len(body) > MAX_MANIFEST_BYTES:

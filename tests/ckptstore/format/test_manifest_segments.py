@@ -417,6 +417,30 @@ def test_an_incremental_save_reads_its_parent_as_chunk_columns(
         assert_loaded(out, state)
 
 
+def test_a_damaged_parent_chunk_reference_is_never_committed_again(tmp_path: Path) -> None:
+    """A parent whose segment (sealed, digest-correct: only a writer bug makes one) holds a
+    chunk reference that breaks the entry rules but not the columns' framing: a save that
+    would reuse it fails before anything is committed, naming the tensor."""
+    state = big_state()
+    CheckpointStore(str(tmp_path)).save("a", state)
+    doc = root(tmp_path, "a")
+    m = CheckpointStore(str(tmp_path)).manifest("a")
+    entries = list(m.tensors[:doc["segments"][0]["tensors"]])
+    victim = entries[3]
+    entries[3] = replace(victim, chunks=(replace(victim.chunks[0], offset=1 << 63),))
+    data = encode(entries)
+    repo = CheckpointStore(str(tmp_path))
+    digest = repo.hash.digest(data)
+    repo.store.put(blob_key(digest), data)
+    doc["segments"][0] = {**doc["segments"][0], "digest": digest, "size": len(data)}
+    (tmp_path / "checkpoints" / "a.json").write_bytes(sealed_manifest(doc))
+    with pytest.raises(FormatError, match=f"{victim.key}.*nothing was committed"):
+        CheckpointStore(str(tmp_path)).save("b", state)
+    assert not (tmp_path / "checkpoints" / "b.json").exists()
+    with pytest.raises(FormatError):  # and a reader refuses the parent's entry itself
+        CheckpointStore(str(tmp_path)).load("a", keys=[victim.key])
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, len(SEGMENT) - 1), st.integers(1, 255))
 def test_a_flipped_byte_is_refused_or_decodes_to_valid_entries(pos: int, xor: int) -> None:
