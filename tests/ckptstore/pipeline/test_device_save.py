@@ -213,6 +213,59 @@ def test_a_failing_copy_fails_the_save_and_commits_nothing(dev, mode, sticky):
     repo.close()
 
 
+def small_device_state(dev: FakeDevice, n: int = 96) -> dict[str, Any]:
+    """Only small tensors (1 KiB each): every one of them is a pack member."""
+    g = torch.Generator().manual_seed(1)
+    state = {f"p{i}": torch.randn(256, generator=g) for i in range(n)}
+    dev.adopt(state)
+    return state
+
+
+@pytest.mark.parametrize("mode", ["save", "copy", "overlap"])
+def test_a_failing_copy_of_a_pack_member_fails_the_save_and_commits_nothing(dev, mode):
+    repo = watched_repo(dev)
+    state = small_device_state(dev)
+    dev.fail("to_host", after=5)
+    with pytest.raises(DeviceCopyError, match=r"p\d+: the copy from fake:0 to host memory "
+                                              r"failed: FakeDeviceError: injected"):
+        save(repo, "bad", state, mode)
+    assert repo.list() == [] and not repo.store.exists("checkpoints/bad.json")
+    dev.heal()
+    save(repo, "good", state, mode)
+    assert_same(repo.load("good"), state)
+    repo.close()
+
+
+def test_pack_slots_come_back_only_after_the_pack_is_written(dev):
+    """Small device tensors in packs, two slots but a budget for more pack jobs, slow copies
+    and a slow hash: a slot given back before its pack was hashed and written would be
+    copied into by the next pack job while this one still reads it (a violation; the blob
+    would hold the wrong members)."""
+    dev.latency = 0.002
+    repo = watched_repo(dev, WatchedStore(dev, delay=0.002), max_inflight_bytes=8 * CHUNK)
+    slow = repo.save_options.hash.digest
+
+    def slow_digest(data: Any) -> str:
+        time.sleep(0.001)
+        return slow(data)
+
+    repo.save_options = replace(repo.save_options, hash=replace(repo.save_options.hash,
+                                                                digest=slow_digest))
+    state = small_device_state(dev, n=640)
+    saved = {}
+    for name in ("o1", "o2", "o3"):
+        repo.save_async(name, state, staging="overlap", max_host_bytes=2 * CHUNK).wait()
+        saved[name] = {k: v.clone() for k, v in state.items()}
+        for t in state.values():
+            t.add_(1)  # every member new: each save packs them all again
+        assert not dev.violations, dev.violations
+    repo.save("s", state)
+    saved["s"] = state
+    for name, want in saved.items():
+        assert_same(repo.load(name), want)
+    repo.close()
+
+
 def test_unreadable_tensors_are_refused_naming_their_key(dev):
     repo = watched_repo(dev)
     with pytest.raises(UnsupportedTypeError, match=r"^model\.w: a tensor on the meta device"):
