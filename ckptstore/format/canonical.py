@@ -30,6 +30,12 @@ def canonical_str(doc: Any) -> str:
                       allow_nan=False)
 
 
+def reject_constant(name: str) -> Any:
+    """`json.loads(..., parse_constant=reject_constant)`: NaN and the infinities are no JSON
+    a manifest may hold (ValueError)."""
+    raise ValueError(f"{name} is not allowed in a manifest")
+
+
 def canonical_json(doc: Any) -> bytes:
     """Sorted keys, no spaces, UTF-8, no NaN: equal documents give equal bytes."""
     return canonical_str(doc).encode("utf-8")

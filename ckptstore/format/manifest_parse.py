@@ -13,7 +13,7 @@ from typing import Any
 
 from ..collector import paused_collector
 from ..errors import FormatError
-from .canonical import SEAL_FIELD, check_seal, is_sealed
+from .canonical import SEAL_FIELD, check_seal, is_sealed, reject_constant
 from .codecs import parse_codec
 from .dtypes import DTYPES, by_name
 from .hashing import ALGORITHMS, XXH3_128, HashAlgorithm, hash_algorithm, is_digest
@@ -291,7 +291,7 @@ def _parse_manifest(data: bytes, expected_name: str | None, algorithm: HashAlgor
     if sealed:  # checked on the raw bytes, before anything is parsed
         check_seal(data, "manifest", algorithm.digest)
     try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        doc = json.loads(data.decode("utf-8"), parse_constant=reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"manifest is not valid JSON: {exc}") from None
     version = doc.get("version") if isinstance(doc, dict) else None
@@ -361,7 +361,7 @@ def _read_tree(source: SegmentSource | None, ref: TreeRef, page_refs: list[TreeR
     pages = PageSet(page_refs, source, n_tensors, where, check_tree)
     try:
         with paused_collector():
-            tree = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+            tree = json.loads(data.decode("utf-8"), parse_constant=reject_constant)
             check_tree(tree, n_tensors, 0, pages)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"{where}: state tree {ref.digest}: {exc}") from None
@@ -396,9 +396,6 @@ def _parse_segment_refs(docs: Any) -> list[SegmentRef]:
                                _int(d["nbytes"], f"{where}.nbytes")))
     return refs
 
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed in a manifest")
 
 
 # ------------------------------------------------------------ a writer's own Manifest

@@ -270,7 +270,7 @@ def decode(node: Any, load_leaf: LeafLoader, keep: KeyFilter | None = None,
     With `keep`, only leaves whose dotted key passes are kept, and containers left empty by the
     filter are dropped (returned as _DROP to the parent)."""
     kind, value = node_kind(node)
-    key = key_string(path) if path else None
+    key = key_string(path) if keep is not None and path else None  # only a filter needs it
     if keep is not None and key is not None and kind in CONTAINERS and not keep.reaches(key):
         return _DROP  # what walking it would give: every leaf dropped
     if kind in ("dict", "odict"):

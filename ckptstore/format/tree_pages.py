@@ -26,7 +26,7 @@ from typing import Any
 
 from ..collector import paused_collector
 from ..errors import FormatError
-from .canonical import canonical_str
+from .canonical import canonical_str, reject_constant
 from .hashing import is_digest
 from .segment_encoding import TreeRef
 from .tree import CONTAINERS, KeyFilter, node_kind
@@ -175,7 +175,7 @@ class PageSet:
         data = self._source(page.ref)
         try:
             with paused_collector():
-                doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+                doc = json.loads(data.decode("utf-8"), parse_constant=reject_constant)
                 return self._rows(doc, items, page, upper)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise FormatError(f"{self.where}: state tree page {page.ref.digest}: {exc}"
@@ -211,9 +211,6 @@ class PageSet:
             rows.append((pos, name, item))
         return rows
 
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed in a manifest")
 
 
 class PagedItems(Sequence[Any]):
