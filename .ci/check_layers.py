@@ -71,6 +71,8 @@ TORCH_MODULES: dict[str, str] = {
     "ckptstore/tools/exports.py": "weights-only torch and Hugging Face exports",
     "ckptstore/training/manager.py": "CheckpointManager: modules, optimizers, torch.distributed",
     "ckptstore/training/distributed.py": "collective saves over torch.distributed",
+    "ckptstore/training/collectives.py": "JSON and integer messages over torch.distributed",
+    "ckptstore/training/rank_save.py": "the collective save planned on each rank",
     "ckptstore/training/peers.py": "peer replicas over torch.distributed",
     "ckptstore/training/rank_rows.py": "rank-owned rows of torch tensors",
     "ckptstore/training/rng.py": "RNGState: torch's generators",

@@ -233,15 +233,20 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
     return out
 
 
-def run(ctx: Ctx, worlds: list[int], model: str = "7b") -> dict[str, Any]:
-    rows = []
+def run(ctx: Ctx, worlds: list[int], model: str = "7b", real_world: int = 4) -> dict[str, Any]:
+    """The general protocol (this module's `simulate`: the plan over every rank's
+    description) and the protocol planned by each rank (scale/rank_plans.py), at each world
+    size in one run; then 70B with Adam at the largest, and a real gloo run beside its
+    simulation."""
+    rows, by_rank = [], []
     for world in worlds:
-        ctx.note(f"collective: {model} FSDP-style, {world:,} simulated ranks")
-        folder = Path(tempfile.mkdtemp(prefix=f"collective-{world}-", dir=ctx.root))
-        row = run_worker(ctx, "collective.simulate", folder=str(folder), model=model,
-                         adam=False, world=world)
-        rows.append(row)
-        shutil.rmtree(folder, ignore_errors=True)
+        for label, target, out in (("general", "collective.simulate", rows),
+                                   ("rank plans", "rank_plans.simulate", by_rank)):
+            ctx.note(f"collective ({label}): {model} FSDP-style, {world:,} simulated ranks")
+            folder = Path(tempfile.mkdtemp(prefix=f"collective-{world}-", dir=ctx.root))
+            out.append(run_worker(ctx, target, folder=str(folder), model=model,
+                                  adam=False, world=world))
+            shutil.rmtree(folder, ignore_errors=True)
     big = max(worlds)
     top = rows[-1]
     per_chunk = top["manifest_bytes"] / top["chunks"]
@@ -251,8 +256,25 @@ def run(ctx: Ctx, worlds: list[int], model: str = "7b") -> dict[str, Any]:
                 "manifest_bytes_per_chunk_7b": per_chunk,
                 "manifest_bytes_estimated": int(chunks_70b * per_chunk),
                 "index_bytes_estimated": int(chunks_70b * index_per_chunk),
-                "note": "not run (about 8x the 7B run's chunks: minutes and tens of GiB here);"
-                        " chunk count by the arithmetic of estimated_chunks, bytes per chunk "
-                        f"of the 7B manifest (root; index blobs apart) at {big} ranks; the "
-                        "1 GiB cap applies to the root and to each index blob"}
-    return {"model": model, "shape": LLAMA[model], "rows": rows, "estimate_70b_adam": estimate}
+                "note": "general protocol, not run (about 8x the 7B run's chunks: minutes and "
+                        "tens of GiB here); chunk count by the arithmetic of "
+                        "estimated_chunks, bytes per chunk of the 7B manifest (root; index "
+                        f"blobs apart) at {big} ranks"}
+    ctx.note(f"collective (rank plans): 70B with Adam, {big:,} simulated ranks")
+    folder = Path(tempfile.mkdtemp(prefix="collective-70b-", dir=ctx.root))
+    big70 = run_worker(ctx, "rank_plans.simulate", folder=str(folder), model="70b", adam=True,
+                       world=big)
+    shutil.rmtree(folder, ignore_errors=True)
+    ctx.note(f"collective: a real save on {real_world} gloo ranks (tiny model) and its "
+             "simulation")
+    folder = Path(tempfile.mkdtemp(prefix="collective-real-", dir=ctx.root))
+    real = run_worker(ctx, "rank_plans.real", folder=str(folder), world=real_world,
+                      model="tiny")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix="collective-realsim-", dir=ctx.root))
+    real_sim = run_worker(ctx, "rank_plans.simulate", folder=str(folder), model="tiny",
+                          adam=False, world=real_world)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"model": model, "shape": LLAMA[model], "rows": rows, "rank_plans": by_rank,
+            "estimate_70b_adam": estimate, "rank_plans_70b_adam": big70, "real": real,
+            "real_simulated": real_sim}

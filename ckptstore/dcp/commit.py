@@ -22,7 +22,7 @@ from ..layout import blob_key
 from ..maintenance.leases import Lease
 from ..pipeline.commit import SaveRequest
 from ..pipeline.options import METADATA_THREADS, SaveInfo
-from ..pipeline.writer import CheckpointWriter
+from ..pipeline.writer import CheckpointWriter, KnownChunks
 from ..stores.base import Store
 from . import plain
 from .layout import Layout
@@ -219,6 +219,10 @@ class DcpCommitter:
 
     def prepare_failed(self, name: str, error: str) -> None:
         """Nothing to tell: every rank's part is written; the repository raises."""
+
+    def known_chunks(self, parent: str) -> KnownChunks | None:
+        """Nothing remembered: the ranks' chunks are written already."""
+        return None
 
     def commit(self, writer: CheckpointWriter, request: SaveRequest) -> Manifest:
         manifest = Manifest(name=request.name, created=writer.creation_time(),

@@ -378,6 +378,8 @@ class Manifest:
         bytes; [] for earlier versions. FormatError if one would be too large."""
         if self.version < SEGMENTED_VERSION:
             return []
+        if getattr(self.tensors, "refs", None) is not None:  # segments already stored (a
+            return [*self._tree_blobs()]  # collective save's, written by the ranks)
         return [*self.segment_blobs(), *self._tree_blobs()]
 
     def segment_blobs(self) -> list[tuple[SegmentRef, bytes]]:

@@ -140,22 +140,29 @@ def segment_blobs(entries: Sequence[TensorEntry], algorithm: HashAlgorithm
 
 
 def cut(entries: Sequence[TensorEntry]) -> list[range]:
-    """The tensor index ranges of the segments, in order (see CUT_MODULUS)."""
+    """The tensor index ranges of the segments, in order (see `cut_counts`)."""
+    return cut_counts([t.key for t in entries], [len(t.chunks) for t in entries])
+
+
+def cut_counts(keys: Sequence[str], counts: Sequence[int]) -> list[range]:
+    """The tensor index ranges of the segments of tensors named `keys` holding `counts`
+    chunks, in order: a segment ends after MAX_SEGMENT_TENSORS tensors, before a tensor that
+    would take it past MAX_SEGMENT_CHUNKS, and after a tensor whose key hashes to 0 modulo
+    CUT_MODULUS (so that a tensor added or removed moves few boundaries)."""
     out: list[range] = []
     start = chunks = 0
-    for i, t in enumerate(entries):
-        n = len(t.chunks)
+    for i, (key, n) in enumerate(zip(keys, counts)):
         if i > start and chunks + n > MAX_SEGMENT_CHUNKS:
             out.append(range(start, i))
             start, chunks = i, 0
         chunks += n
         if (i + 1 - start >= MAX_SEGMENT_TENSORS
-                or xxhash.xxh64_intdigest(t.key.encode("utf-8", "surrogatepass"))
+                or xxhash.xxh64_intdigest(key.encode("utf-8", "surrogatepass"))
                 % CUT_MODULUS == 0):
             out.append(range(start, i + 1))
             start, chunks = i + 1, 0
-    if start < len(entries):
-        out.append(range(start, len(entries)))
+    if start < len(keys):
+        out.append(range(start, len(keys)))
     return out
 
 

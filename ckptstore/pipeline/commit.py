@@ -6,6 +6,9 @@ One `Committer` per save; the repository calls, in this order:
    (a bad state, a name already taken). A committer whose save involves other processes
    tells them (so nobody waits forever or commits) and raises; one that does not returns,
    and the repository raises the original error.
+   Before building the request, `known_chunks(parent)` may answer which chunks of the
+   parent this process may reuse without reading the parent (a rank of a collective save
+   remembers the chunks its part of the parent holds); None: the parent is read.
 2. otherwise `commit(writer, request)`: write the blobs this process owns and commit the
    manifest, or take part in committing it. Returns the committed Manifest on the process
    that committed it, None on the others. Raises if nothing was committed.
@@ -51,6 +54,8 @@ class Committer(Protocol):
 
     def prepare_failed(self, name: str, error: str) -> None: ...
 
+    def known_chunks(self, parent: str) -> KnownChunks | None: ...
+
     def commit(self, writer: CheckpointWriter, request: SaveRequest) -> Manifest | None: ...
 
     def committed(self, info: SaveInfo) -> None: ...
@@ -61,6 +66,10 @@ class LocalCommitter:
 
     def prepare_failed(self, name: str, error: str) -> None:
         """Nobody else to tell: the repository raises the original error."""
+
+    def known_chunks(self, parent: str) -> KnownChunks | None:
+        """Nothing remembered: the repository reads the parent."""
+        return None
 
     def commit(self, writer: CheckpointWriter, request: SaveRequest) -> Manifest | None:
         return writer.write(request.name, request.tree, request.leaves, request.metadata,

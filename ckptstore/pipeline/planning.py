@@ -187,29 +187,35 @@ MIN_RESHARD_CHUNK = 4 << 20
 def _chunk_grid(key: str, gshape: tuple[int, ...], itemsize: int,
                 regions: list[list[Box]], options: SaveOptions
                 ) -> tuple[int, tuple[int, ...] | None]:
-    """(chunk_rows, chunk_shape or None for row blocks) such that every shard boundary of
-    every dim falls on a chunk boundary: each chunk then lies whole inside, or wholly outside,
-    each rank's region. Dims other than 0 are split only where some rank's region ends
-    (chunks as wide as the narrowest aligned piece); dim 0 in blocks of about chunk_bytes.
-    Then the chunks of a sharded tensor are cut finer on every dim (RESHARD_SPLIT,
-    MIN_RESHARD_CHUNK) so that restoring with other placements reads only what it needs."""
-    bounds: list[set[int]] = [set() for _ in gshape]
+    """`grid_of` for the ranks' `regions` of one tensor: the gcd, per dim, of the interior
+    boundaries of every rank's boxes."""
+    gcds = [0] * len(gshape)
     for box in (b for rank_boxes in regions for b in rank_boxes):
         for d, (a, b) in enumerate(zip(box.start, box.stop)):
-            bounds[d].update(x for x in (a, b) if 0 < x < gshape[d])
-    pieces = []
-    for d in range(len(gshape)):
-        g = 0
-        for b in bounds[d]:
-            g = math.gcd(g, b)
-        pieces.append(g if g else gshape[d])
+            for x in (a, b):
+                if 0 < x < gshape[d]:
+                    gcds[d] = math.gcd(gcds[d], x)
+    return grid_of(gshape, itemsize, gcds, options)
+
+
+def grid_of(gshape: tuple[int, ...], itemsize: int, gcds: list[int], options: SaveOptions
+            ) -> tuple[int, tuple[int, ...] | None]:
+    """(chunk_rows, chunk_shape or None for row blocks) of a tensor whose shard boundaries on
+    dim d are all multiples of `gcds[d]` (0: no rank's region ends inside dim d), such that
+    every boundary falls on a chunk boundary: each chunk then lies whole inside, or wholly
+    outside, each rank's region. Dims other than 0 are split only where some rank's region
+    ends (chunks as wide as the narrowest aligned piece); dim 0 in blocks of about
+    chunk_bytes. Then the chunks of a sharded tensor are cut finer on every dim
+    (RESHARD_SPLIT, MIN_RESHARD_CHUNK) so that restoring with other placements reads only
+    what it needs. Depends on the gcds only: every rank derives the same grid from them."""
+    pieces = [g if g else n for g, n in zip(gcds, gshape)]
     inner_bytes = math.prod(pieces[1:]) * itemsize
     target = max(1, min(gshape[0], options.chunk_bytes // inner_bytes if inner_bytes else 1))
-    extents = [_aligned_chunk_rows(bounds[0], target, inner_bytes, options.chunk_bytes),
-               *pieces[1:]]
-    if any(bounds):  # a sharded tensor: any dim may be sharded differently on restore
+    extents = [_aligned_chunk_rows({gcds[0]} if gcds[0] else set(), target, inner_bytes,
+                                   options.chunk_bytes), *pieces[1:]]
+    if any(gcds):  # a sharded tensor: any dim may be sharded differently on restore
         _refine(extents, pieces, itemsize, min(options.chunk_bytes, MIN_RESHARD_CHUNK))
-    if not any(bounds[1:]) and extents[1:] == list(gshape[1:]):
+    if not any(gcds[1:]) and extents[1:] == list(gshape[1:]):
         return extents[0], None
     return extents[0], tuple(extents)
 

@@ -201,13 +201,17 @@ class _Stats:
 
 
 def storage_refs(leaves: list[ArrayLeaf]) -> list[StorageRef | None]:
-    """StorageRef for every torch leaf whose storage is shared with another leaf, else None."""
+    """StorageRef for every torch leaf whose storage is shared with another leaf, else None.
+    Storages are numbered in the order of their first leaf, never by address: the same state
+    gets the same numbers in every process (the ranks of a collective save build entries
+    apart, and an unchanged index segment stays the same blob)."""
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, leaf in enumerate(leaves):
         if leaf.storage_identity is not None:
             groups[leaf.storage_identity].append(i)
     refs: list[StorageRef | None] = [None] * len(leaves)
-    for sid, (ident, members) in enumerate(sorted((k, v) for k, v in groups.items() if len(v) > 1)):
+    tied = [(ident, members) for ident, members in groups.items() if len(members) > 1]
+    for sid, (ident, members) in enumerate(tied):  # dicts keep first-insertion order
         for i in members:
             leaf = leaves[i]
             refs[i] = StorageRef(sid, ident[1], leaf.storage_offset, leaf.storage_stride)
@@ -235,7 +239,8 @@ class CheckpointWriter:
     def __init__(self, store: Store, options: SaveOptions, known: KnownChunks, *,
                  turns: Turns | None = None, overlap: Overlap | None = None,
                  not_before: float = 0.0,
-                 before_commit: Callable[[Manifest, set[str]], None] | None = None) -> None:
+                 before_commit: Callable[[Manifest, set[str]], None] | None = None,
+                 confirm_reused: Callable[[set[str]], None] | None = None) -> None:
         self.store = store
         self.options = options
         self.known = known
@@ -253,6 +258,10 @@ class CheckpointWriter:
         #: manifest and the blobs it references that this writer did not write (reused from
         #: earlier checkpoints); raising stops the commit.
         self.before_commit = before_commit
+        #: Checks that blobs of earlier checkpoints a save reuses still exist (a gc may have
+        #: run since the save's lease began); raises ReusedBlobsMissingError if not. A rank of
+        #: a collective save calls it on its own chunks before it reports them.
+        self.confirm_reused = confirm_reused
         #: Overlapped staging (pipeline/overlap.py): leaves are the caller's live arrays;
         #: every block is copied into a budgeted slot, checked, then hashed and written.
         self.overlap = overlap
@@ -573,12 +582,31 @@ class CheckpointWriter:
         """The `created` time of the manifest committed now (see `not_before`)."""
         return max(time.time(), self.not_before)
 
-    def commit(self, manifest: Manifest, manifest_key: str) -> bytes:
+    def reused_blobs(self, refs: Iterable[ChunkRef]) -> set[str]:
+        """The blobs of `refs` this writer did not write (reused from earlier checkpoints)."""
+        blobs = {ref.blob for ref in refs}
+        with self._claim_lock:
+            return blobs - self._claimed
+
+    def put_index_blob(self, digest: str, data: bytes) -> None:
+        """Write an index blob (a segment) this save built, unless the store is known to
+        hold it; durable at the next `store.sync()`."""
+        if digest in self.known.index_blobs:
+            return
+        with self._claim_lock:
+            self._claimed.add(digest)
+        self.store.put(blob_key(digest), data)
+
+    def commit(self, manifest: Manifest, manifest_key: str,
+               reused: set[str] | None = None) -> bytes:
         """Write a version-3 manifest's new index blobs (segments, tree), make the blobs
         durable, then create the manifest (its root) create-only. Returns the bytes
         committed. A manifest over MAX_MANIFEST_BYTES, an index blob over its cap, or an entry
         that breaks `entry_problem` is refused before anything of it is written (a reader
-        would refuse it: it must never be created)."""
+        would refuse it: it must never be created). `reused`: the blobs of earlier
+        checkpoints the manifest references, where the caller knows them (a collective save
+        whose ranks each confirmed their own; None: every blob the manifest names, less
+        those this writer wrote)."""
         if type(manifest.tensors) is tuple:  # a writer's own entries: checked before, not after
             bad = [t.key for t, ok in zip(manifest.tensors, manifest.entries_ok()) if not ok]
             if bad:  # e.g. a parent's damaged chunk reference reused (read as chunk columns)
@@ -600,8 +628,9 @@ class CheckpointWriter:
             self.store.sync()  # every blob durable before the manifest exists
             self.confirm_sources()  # again, later: see Overlap.confirm
             if self.before_commit is not None:
-                with self._claim_lock:
-                    reused = manifest.blob_digests() - self._claimed
+                if reused is None:
+                    with self._claim_lock:
+                        reused = manifest.blob_digests() - self._claimed
                 self.before_commit(manifest, reused)
             try:
                 self.store.create(manifest_key, body)

@@ -228,7 +228,11 @@ class SingleStore(CheckpointStore, kind="single"):
         known = KnownChunks()
         if parent_name is not None and not (parent_name in later.taken
                                             and not self.exists(parent_name)):
-            known.add_manifest(self.catalog.manifest(parent_name))  # raises if it is nowhere
+            remembered = call.committer.known_chunks(parent_name)
+            if remembered is not None:  # this process's part of the parent, kept from its save
+                known = remembered
+            else:
+                known.add_manifest(self.catalog.manifest(parent_name))  # raises if nowhere
         # (a parent only a later tier holds: its chunks are not here, nothing is reused)
         newest = max([c for c, _n in order[-1:]] + (
             [] if later.newest is None else [later.newest]), default=None)
@@ -394,7 +398,9 @@ class SingleStore(CheckpointStore, kind="single"):
                 pending.write_record(self.store, manifest.name, targets)
 
         return CheckpointWriter(self.store, options, known, turns=turns, overlap=overlap,
-                                not_before=request.not_before, before_commit=before_commit)
+                                not_before=request.not_before, before_commit=before_commit,
+                                confirm_reused=lambda reused: self._confirm_reused(lease,
+                                                                                   reused))
 
     def _confirm_reused(self, lease: leases.Lease, reused: set[str]) -> None:
         """Before a commit: if a gc may have run since the save took its lease, check that

@@ -32,7 +32,7 @@ from ..maintenance import checks
 from ..maintenance.transfer import fetch_verified
 from ..pipeline.commit import Committer, SaveRequest
 from ..pipeline.options import SaveInfo
-from ..pipeline.writer import CheckpointWriter
+from ..pipeline.writer import CheckpointWriter, KnownChunks
 from ..redact import redact_uri
 from ..stores import Store, open_store
 from ..tiers import config as tier_config
@@ -368,6 +368,9 @@ class _Replicating:
 
     def prepare_failed(self, name: str, error: str) -> None:
         self.inner.prepare_failed(name, error)
+
+    def known_chunks(self, parent: str) -> KnownChunks | None:
+        return self.inner.known_chunks(parent)
 
     def commit(self, writer: CheckpointWriter, request: SaveRequest) -> Manifest | None:
         return self.inner.commit(writer, request)

@@ -1,6 +1,11 @@
 """Multi-rank saves over torch.distributed, without pickle.
 
-Protocol of one collective save (every rank calls `save_collective` with its own state):
+A collective save starts with `rank_save.save_by_rank_plans`, whose per-rank costs do not grow
+with the world size; for states it cannot plan (a leaf sharded along another dim than 0 or in
+several boxes: tensor parallelism, 2-D meshes) every rank then runs `save_collective`, the
+general protocol below, planned over every rank's description.
+
+Protocol of `save_collective` (every rank calls it with its own state):
 1. every rank describes its array leaves; the descriptions are all-gathered as JSON and
    checked for agreement (same keys, dtypes, global shapes);
 2. every rank derives the same plan (`plan_collective`): each tensor's global chunk grid, its
@@ -20,7 +25,6 @@ never interleaves with the trainer's own collectives.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -28,13 +32,11 @@ from typing import Any
 from ..deps import missing
 
 try:
-    import torch
     import torch.distributed as dist
 except ModuleNotFoundError as _exc:
     raise missing(_exc) from None
 
 from ..errors import CkptStoreError
-from ..format.canonical import canonical_json
 from ..format.codecs import Codec
 from ..format.leaf import ArrayLeaf
 from ..format.manifest import ChunkRef, Manifest, StorageRef, TensorEntry
@@ -43,7 +45,10 @@ from ..format.segments import version_for
 from ..pipeline.commit import SaveRequest
 from ..pipeline.options import SaveInfo
 from ..pipeline.planning import LeafPlan, TensorLayout, plan_collective
-from ..pipeline.writer import CheckpointWriter, storage_refs
+from ..pipeline.writer import CheckpointWriter, KnownChunks, storage_refs
+from . import rank_save
+from .collectives import all_gather_json as all_gather_json
+from .collectives import broadcast_json as broadcast_json
 
 
 def is_distributed() -> bool:
@@ -55,38 +60,10 @@ def checkpoint_group(timeout: timedelta = timedelta(minutes=10)) -> Any:
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def all_gather_json(obj: Any, group: Any) -> list[Any]:
-    """All-gather one JSON value per rank (uint8 tensors; no pickle)."""
-    data = canonical_json(obj)
-    world = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = int(max(s.item() for s in sizes))
-    buf = torch.zeros(longest, dtype=torch.uint8)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(bufs, buf, group=group)
-    return [json.loads(bytes(b[: int(s.item())].numpy())) for b, s in zip(bufs, sizes)]
-
-
-def broadcast_json(obj: Any, group: Any, src: int = 0) -> Any:
-    """Broadcast rank `src`'s JSON value to every rank (other ranks pass anything)."""
-    data = canonical_json(obj) if dist.get_rank() == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=src, group=group)
-    buf = torch.zeros(int(size.item()), dtype=torch.uint8)
-    if data:
-        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    dist.broadcast(buf, src=src, group=group)
-    return json.loads(bytes(buf.numpy()))
-
-
 def report_failure(group: Any, error: str) -> None:
     """Join a collective save only to report that this rank failed before it could start;
-    the other ranks raise the same error after the first gather instead of waiting."""
-    all_gather_json({"error": error}, group)
+    the other ranks raise the same error after the save's first collective."""
+    rank_save.report_failure(group, error)
 
 
 def _describe(leaf: ArrayLeaf) -> dict[str, Any]:
@@ -117,28 +94,23 @@ def _check_agreement(descs: list[list[dict[str, Any]]]) -> None:
                 raise CkptStoreError(f"replicated tensor {a['key']!r} differs in shape")
 
 
-def save_collective(writer: CheckpointWriter | None, request: SaveRequest, group: Any,
-                    prepare_error: str | None = None) -> Manifest | None:
-    """Run the collective save (module docstring). Returns the manifest on rank 0, None on
-    the others; raises the same CkptStoreError on every rank if any rank failed. With
-    `prepare_error` this rank failed before it could write (`writer` may be None): every rank
-    raises."""
+def save_collective(writer: CheckpointWriter, request: SaveRequest, group: Any
+                    ) -> Manifest | None:
+    """Run the general collective save (module docstring), after the first step of
+    `rank_save.save_by_rank_plans` sent every rank here. Returns the manifest on rank 0, None
+    on the others; raises the same CkptStoreError on every rank if any rank failed."""
     name, tree, leaves, metadata = request.name, request.tree, request.leaves, request.metadata
     parent, manifest_key = request.parent, request.manifest_key
     rank = dist.get_rank(group)
-    descs = all_gather_json({"error": prepare_error} if prepare_error else
-                            [_describe(leaf) for leaf in leaves], group)
-    err = _first_error(descs)
-    if err is None:
-        assert writer is not None  # no rank reported a prepare error: this one has a writer
-        try:
-            _check_agreement(descs)
-            layouts, _load = plan_collective(descs, writer.options)
-        except CkptStoreError as exc:
-            err = str(exc)
+    descs = all_gather_json([_describe(leaf) for leaf in leaves], group)
+    err = None
+    try:
+        _check_agreement(descs)
+        layouts, _load = plan_collective(descs, writer.options)
+    except CkptStoreError as exc:
+        err = str(exc)
     if err is not None:
         raise CkptStoreError(f"collective save of {name!r} failed, nothing committed: {err}")
-    assert writer is not None  # only a rank that failed to prepare has none, and it raised
 
     try:
         refs = _write_owned(writer, leaves, layouts, rank)
@@ -246,20 +218,30 @@ class CollectiveCommitter:
     `after_commit` runs on the rank that committed (rank 0). `joined` tells whether this rank
     entered the collective (if not, a failure must still be reported to the others)."""
 
-    def __init__(self, group: Any, after_commit: Callable[[SaveInfo], None] | None = None
-                 ) -> None:
+    def __init__(self, group: Any, after_commit: Callable[[SaveInfo], None] | None = None,
+                 memory: rank_save.RankMemory | None = None) -> None:
         self.group = group
         self.after_commit = after_commit
         self.joined = False
+        #: this rank's plan and part of the last checkpoint it committed (kept by the caller
+        #: across saves: CheckpointManager)
+        self.memory = memory if memory is not None else rank_save.RankMemory()
 
     def prepare_failed(self, name: str, error: str) -> None:
         self.joined = True
-        save_collective(None, SaveRequest(name, None, [], {}, None, ""), self.group,
-                        prepare_error=error)
+        rank_save.report_failure(self.group, error)
+        raise CkptStoreError(f"collective save of {name!r} failed, nothing committed: {error}")
+
+    def known_chunks(self, parent: str) -> KnownChunks | None:
+        return self.memory.known_chunks(parent)
 
     def commit(self, writer: CheckpointWriter, request: SaveRequest) -> Manifest | None:
         self.joined = True
-        return save_collective(writer, request, self.group)
+        result = rank_save.save_by_rank_plans(writer, request, self.group, self.memory)
+        if result is rank_save.FALLBACK:
+            return save_collective(writer, request, self.group)
+        assert result is None or isinstance(result, Manifest)
+        return result
 
     def committed(self, info: SaveInfo) -> None:
         if self.after_commit is not None:

@@ -71,6 +71,7 @@ from ..tiers import config as tier_config
 from ..tiers import pending
 from . import distributed as cdist
 from .peers import PeerMap, PeerReplicas, choose_steps, ranks_per_node
+from .rank_save import RankMemory
 from .retention import Retention, TieredRetention
 from .rng import RNGState
 
@@ -139,6 +140,8 @@ class CheckpointManager:
             timedelta(seconds=peer_timeout) if peer_replicas else timedelta(minutes=10)
         ) if self.distributed else None
         self._last: SaveHandle | None = None
+        #: collective saves: this rank's cached plan and its part of its last checkpoint
+        self._rank_memory = RankMemory()
         #: peer mode: every rank saves its own checkpoint in its own tiers (training/peers.py)
         self.peers: PeerReplicas | None = None
         if peer_replicas:
@@ -184,7 +187,8 @@ class CheckpointManager:
         meta.update(step=step, world_size=torch.distributed.get_world_size()
                     if self.distributed else 1)
         self._flush_peers()
-        collective = cdist.CollectiveCommitter(self.group, self._retain) if (
+        collective = cdist.CollectiveCommitter(self.group, self._retain,
+                                               self._rank_memory) if (
             self.distributed and self.peers is None) else None
         committer: Committer = collective or _RetainingCommitter(self._retain)
         name = self.name_of(step)

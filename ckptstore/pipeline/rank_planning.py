@@ -1,0 +1,180 @@
+"""Planning a collective save on each rank from its own placements (the scalable protocol of
+`training/rank_save.py`). Pure arithmetic: no I/O, no torch, deterministic.
+
+The plan of `planning.plan_collective` needs every rank's description of every tensor, so
+each rank receives and plans over ranks x tensors. This plan needs, per tensor, only the
+global geometry every rank already shares and one number agreed by a reduction over the
+ranks (`rows_gcd`): the gcd of the interior row boundaries of every rank's shard. From it
+each rank derives the same chunk grid (`planning.grid_of`, the grid `plan_collective` would
+choose for the same shards) and knows the chunks it writes without knowing who writes the
+rest:
+
+- a tensor that every rank holds whole (replicated: DDP weights, Adam's `step`): its chunks
+  go, largest first, to the rank with the fewest bytes so far (`replicated_owners`, the same
+  on every rank: the inputs are the shared geometry only);
+- a tensor that ranks hold in row ranges (a `Shard`, an FSDP-style DTensor on a 1-D mesh):
+  each rank writes the chunks inside its rows. Two ranks holding the same rows both write
+  them; the segment builder keeps one copy and refuses copies that differ.
+
+Which states qualify (`rows_of`): every array leaf whole, or a row range of dim 0. Shards
+along other dims or several boxes per rank (tensor parallelism, 2-D meshes) use
+`plan_collective`.
+
+The entries are built per index segment (`segment_spans`: the same cut a single-process
+save makes) by one rank each (`builder_of`), from the chunk references the writers send it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from ..format.dtypes import DType
+from ..format.leaf import ArrayLeaf
+from ..format.manifest import chunk_region, expected_chunk_count
+from ..format.segment_encoding import cut_counts
+from .options import SaveOptions
+from .planning import grid_of, rows_per_chunk
+
+#: `rows_of` of a leaf held whole
+WHOLE = None
+
+
+class Unplannable(Exception):
+    """A leaf this plan cannot describe (sharded along another dim, or several boxes)."""
+
+
+def rows_of(leaf: ArrayLeaf) -> tuple[int, int] | None:
+    """The global rows [start, stop) of dim 0 this rank holds of `leaf`, or WHOLE. Raises
+    Unplannable for a leaf sharded otherwise."""
+    if not leaf.is_partial:
+        return WHOLE
+    shape = tuple(int(n) for n in leaf.array.shape)
+    gshape = leaf.global_shape or shape
+    if not shape:
+        raise Unplannable(leaf.key)
+    if leaf.region_runs is None:
+        start = leaf.row_offset
+        return (start, start + shape[0])
+    runs = leaf.region_runs
+    if not all(len(dim) == 1 for dim in runs):
+        if any(len(dim) == 0 for dim in runs):  # holds no element
+            return (0, 0)
+        raise Unplannable(leaf.key)
+    for d, ((local, start, n), full) in enumerate(zip((dim[0] for dim in runs), gshape)):
+        if local != 0 or (d > 0 and (start != 0 or n != full)):
+            raise Unplannable(leaf.key)
+    return (runs[0][0][1], runs[0][0][1] + runs[0][0][2])
+
+
+def interior_gcd(rows: tuple[int, int] | None, n: int) -> int:
+    """The gcd of the row boundaries of `rows` strictly inside [0, n) (0: none)."""
+    if rows is None:
+        return 0
+    g = 0
+    for x in rows:
+        if 0 < x < n:
+            g = math.gcd(g, x)
+    return g
+
+
+@dataclass(frozen=True)
+class TensorGeometry:
+    """What every rank knows of one tensor: its global shape and dtype, and whether any rank
+    holds only some of its rows."""
+
+    key: str
+    dtype: DType
+    shape: tuple[int, ...]
+    sharded: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The global chunking of one tensor, as the manifest records it."""
+
+    shape: tuple[int, ...]
+    chunk_rows: int
+    chunk_shape: tuple[int, ...] | None
+    packed: bool  # one chunk, packed with other small ones (replicated small tensors)
+    small: bool  # a sharded tensor of at most pack_threshold bytes: its chunks packed
+    chunks: int
+
+    def block(self) -> tuple[int, ...]:
+        if self.chunk_shape is not None:
+            return self.chunk_shape
+        return (self.chunk_rows, *self.shape[1:]) if self.shape else ()
+
+    def region(self, c: int) -> tuple[tuple[int, int], ...]:
+        if self.packed:
+            return tuple((0, n) for n in self.shape)
+        return chunk_region(self.shape, self.block(), c)
+
+    def chunk_bytes(self, c: int, itemsize: int) -> int:
+        return math.prod(hi - lo for lo, hi in self.region(c)) * itemsize
+
+    def chunks_in_rows(self, rows: tuple[int, int]) -> Iterator[int]:
+        """The chunks lying inside global rows `rows` (whose ends fall on chunk boundaries
+        of dim 0), in C order."""
+        start, stop = rows
+        if stop <= start or not self.chunks:
+            return
+        if not self.shape:
+            yield 0
+            return
+        block = self.block()
+        per_row = math.prod(max(1, -(-n // c)) for n, c in zip(self.shape[1:], block[1:]))
+        first, last = start // block[0], -(-stop // block[0])
+        yield from range(first * per_row, min(self.chunks, last * per_row))
+
+
+def grid(geo: TensorGeometry, gcd: int, options: SaveOptions) -> Grid:
+    """The grid of one tensor from its geometry and the ranks' `rows_gcd` (as
+    `planning._layout` chooses it for the same shards)."""
+    shape, itemsize = geo.shape, geo.dtype.itemsize
+    nbytes = geo.nbytes
+    if not geo.sharded and 0 < nbytes <= options.pack_threshold:
+        return Grid(shape, max(1, shape[0]) if shape else 1, None, True, False, 1)
+    if not shape:
+        return Grid(shape, 1, None, False, False, 1)
+    if nbytes == 0:
+        return Grid(shape, rows_per_chunk(shape, itemsize, options.chunk_bytes), None, False,
+                    False, 0)
+    rows, chunk_shape = grid_of(shape, itemsize, [gcd] + [0] * (len(shape) - 1), options)
+    return Grid(shape, rows, chunk_shape, False,
+                geo.sharded and nbytes <= options.pack_threshold,
+                expected_chunk_count(shape, rows, itemsize, chunk_shape))
+
+
+def replicated_owners(geos: Sequence[TensorGeometry], grids: Sequence[Grid], world: int
+                      ) -> dict[tuple[int, int], int]:
+    """{(tensor, chunk): rank} for every chunk of the tensors no rank shards: largest first,
+    to the rank with the fewest bytes so far (ties: lowest rank). The same on every rank."""
+    items = [(g.chunk_bytes(c, geo.dtype.itemsize), i, c)
+             for i, (geo, g) in enumerate(zip(geos, grids)) if not geo.sharded
+             for c in range(g.chunks)]
+    items.sort(key=lambda u: (-u[0], u[1], u[2]))
+    loads = [(0, r) for r in range(world)]
+    out: dict[tuple[int, int], int] = {}
+    for nbytes, i, c in items:
+        load, r = heapq.heappop(loads)
+        out[(i, c)] = r
+        heapq.heappush(loads, (load + nbytes, r))
+    return out
+
+
+def segment_spans(geos: Sequence[TensorGeometry], grids: Sequence[Grid]) -> list[range]:
+    """The tensor ranges of the index segments (the cut of a single-process save)."""
+    return cut_counts([geo.key for geo in geos], [g.chunks for g in grids])
+
+
+def builder_of(segment: int, world: int) -> int:
+    """The rank that builds index segment `segment`: ranks other than 0 first, so that
+    rank 0, which commits, receives only the ranks' small records."""
+    return segment % world if world == 1 else 1 + segment % (world - 1)

@@ -1,0 +1,486 @@
+"""The collective save planned by each rank from its own placements: what a rank computes,
+sends and receives does not grow with the world size (docs/design-notes.md, "Collective
+saves in O(ranks)").
+
+Every rank of `group` calls `save_by_rank_plans` with its own state; the steps, in order:
+
+1. agree: one all_reduce(MAX) of five integers: a rank failed to prepare; a rank holds a leaf
+   this plan cannot describe (sharded along another dim than 0, or in several boxes: then
+   every rank runs `distributed.save_collective`, the plan over every rank's description);
+   a 62-bit digest of the state's structure (keys, kinds, dtypes, global shapes, which
+   leaves are sharded) and its negation (the ranks agree iff max == -max(-digest)); and
+   "my placements differ from my cached plan's".
+2. plan: unless no rank's placements changed (the cached plan is used again, as DCP's plan
+   caching), the gcd of every tensor's interior row boundaries is agreed by rounds of
+   all_reduce(MIN) over one integer per tensor (`agree_gcds`); every rank derives the same
+   grids, index segments and owners of replicated chunks (pipeline/rank_planning.py).
+3. write: each rank writes the chunks it owns, makes them durable, checks its overlapped
+   sources and that the blobs it reuses still exist.
+4. exchange: each rank sends each segment's builder the references of its chunks there:
+   one all_to_all of fixed-size binary rows (`ROW`), sizes first.
+5. build: each builder assembles its segments' entries (every chunk exactly once; copies of
+   a chunk from several ranks must be the same bytes), encodes and writes them, durable.
+6. report: one gather to rank 0 of a small JSON record per rank: its error, or the refs of
+   the segments it built. Rank 0 receives O(ranks) small records, never chunk references.
+7. commit: rank 0 creates the root (tree blob, segment refs) if no rank failed and
+   broadcasts the outcome; every rank raises the same error otherwise, nothing committed.
+
+Then every rank remembers its own part of the committed checkpoint (`RankMemory`): its next
+save reuses those chunks without reading the checkpoint back.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..deps import missing
+
+try:
+    import torch.distributed as dist
+except ModuleNotFoundError as _exc:
+    raise missing(_exc) from None
+
+from ..errors import CkptStoreError
+from ..format.canonical import canonical_json
+from ..format.codecs import Codec
+from ..format.hashing import hash_algorithm
+from ..format.leaf import ArrayLeaf
+from ..format.manifest import (
+    SEGMENTED_VERSION,
+    ChunkRef,
+    Manifest,
+    StorageRef,
+    TensorEntry,
+    entry_problem,
+)
+from ..format.segment_encoding import SegmentRef, encode
+from ..format.segments import SegmentedEntries
+from ..layout import segments_in
+from ..pipeline.commit import SaveRequest
+from ..pipeline.planning import LeafPlan
+from ..pipeline.rank_planning import (
+    Grid,
+    TensorGeometry,
+    Unplannable,
+    builder_of,
+    grid,
+    interior_gcd,
+    replicated_owners,
+    rows_of,
+    segment_spans,
+)
+from ..pipeline.writer import CheckpointWriter, KnownChunks, storage_refs
+from .collectives import (
+    all_gather_json,
+    all_reduce_ints,
+    all_to_all_bytes,
+    broadcast_json,
+    gather_json,
+)
+
+#: One chunk reference as a writer sends it to a segment's builder (56 bytes).
+ROW = np.dtype([("tensor", "<u4"), ("chunk", "<u4"), ("offset", "<u8"), ("size", "<u8"),
+                ("nbytes", "<u8"), ("blob", "u1", (16,)), ("digest", "u1", (16,))])
+#: `agree_gcds`: a tensor no rank's shard ends inside
+_NONE = 1 << 62
+#: An error text a rank reports is cut to this many characters (rank 0 gathers them all).
+MAX_ERROR_CHARS = 2000
+
+#: `save_by_rank_plans` found a leaf its plan cannot describe: run the general protocol
+FALLBACK = object()
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's plan of a collective save (the same grids and spans on every rank)."""
+
+    signature: int  # of the inputs it was derived from (see `_signature`)
+    geometry: tuple[TensorGeometry, ...]
+    grids: tuple[Grid, ...]
+    spans: tuple[range, ...]  # tensors of each index segment
+    mine: dict[int, list[int]]  # replicated tensor -> the chunks this rank writes
+
+    def segment_of(self) -> np.ndarray:
+        """The segment of each tensor."""
+        return np.repeat(np.arange(len(self.spans), dtype=np.int64),
+                         [len(s) for s in self.spans])
+
+
+class StepClock:
+    """Seconds of each step of one save on this rank, and the bytes it sent and received
+    (`RankMemory.last`: what bench/scale_bench.py compares with its simulation)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def lap(self, step: str, **counts: int) -> None:
+        now = time.perf_counter()
+        self.seconds[step] = now - self.t
+        self.t = now
+        self.counts.update(counts)
+
+    def done(self) -> dict[str, Any]:
+        return {"seconds": dict(self.seconds), **self.counts}
+
+
+@dataclass
+class RankMemory:
+    """What one rank keeps between the collective saves of one job (the CheckpointManager
+    holds it): the last plan (plan caching), and its own part of the checkpoint it last
+    committed, so that the next save reuses those chunks without reading that checkpoint."""
+
+    plan: RankPlan | None = None
+    #: the steps of the last save this rank took part in (StepClock.done)
+    last: dict[str, Any] = field(default_factory=dict)
+    committed: str | None = None
+    chunks: list[tuple[ChunkRef, Codec | None]] = field(default_factory=list)
+    index_blobs: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def known_chunks(self, parent: str) -> KnownChunks | None:
+        """The chunks of `parent` this rank wrote or reused, if `parent` is the checkpoint
+        it last committed; None otherwise (the parent must then be read)."""
+        with self.lock:
+            if parent != self.committed:
+                return None
+            known = KnownChunks()
+            for ref, codec in self.chunks:
+                known.add(ref, codec)
+            known.index_blobs.update(self.index_blobs)
+            return known
+
+    def remember(self, name: str, chunks: list[tuple[ChunkRef, Codec | None]],
+                 index_blobs: set[str]) -> None:
+        with self.lock:
+            self.committed, self.chunks, self.index_blobs = name, chunks, index_blobs
+
+
+def report_failure(group: Any, error: str) -> None:
+    """Take part in a collective save only to report that this rank failed before it could
+    start: every rank raises this error (step 1, then the errors are all-gathered)."""
+    all_reduce_ints([1, 0, 0, 0, 0], group)
+    all_gather_json(error[:MAX_ERROR_CHARS], group)
+
+
+def _structure(leaves: list[ArrayLeaf]) -> int:
+    """62 bits of a digest of what every rank must agree on."""
+    h = xxhash.xxh64()
+    for leaf in leaves:
+        shape = tuple(leaf.global_shape or leaf.array.shape)
+        h.update(f"{leaf.key}\0{leaf.kind}\0{leaf.dtype.name}\0{shape}\0"
+                 f"{int(leaf.is_partial)}\n".encode("utf-8", "surrogatepass"))
+    return h.intdigest() >> 2
+
+
+def _signature(structure: int, rows: list[tuple[int, int] | None], world: int, rank: int,
+               writer: CheckpointWriter) -> int:
+    o = writer.options
+    return xxhash.xxh64_intdigest(canonical_json(
+        [structure, [None if r is None else list(r) for r in rows], world, rank,
+         o.chunk_bytes, o.pack_threshold]))
+
+
+def agree_gcds(local: list[int], group: Any) -> list[int]:
+    """The gcd over every rank of each element of `local` (0: none anywhere), by rounds of
+    all_reduce(MIN): each rank replaces its value by its gcd with the minimum until the
+    minimum stops changing, which it does where every rank's value equals it (usually two
+    rounds). The decision to stop is the same on every rank: it reads reduced values only."""
+    values = [v if v else _NONE for v in local]
+    low = all_reduce_ints(values, group, op="min")
+    while True:
+        values = [v if v == _NONE or m == _NONE else math.gcd(v, m)
+                  for v, m in zip(values, low)]
+        again = all_reduce_ints(values, group, op="min")
+        if again == low:
+            return [0 if m == _NONE else m for m in low]
+        low = again
+
+
+def plan_rank(leaves: list[ArrayLeaf], rows: list[tuple[int, int] | None], gcds: list[int],
+              signature: int, writer: CheckpointWriter, rank: int, world: int) -> RankPlan:
+    geos = tuple(TensorGeometry(leaf.key, leaf.dtype,
+                                tuple(leaf.global_shape or leaf.array.shape),
+                                r is not None) for leaf, r in zip(leaves, rows))
+    grids = tuple(grid(geo, g, writer.options) for geo, g in zip(geos, gcds))
+    mine: dict[int, list[int]] = {}
+    for (i, c), owner in replicated_owners(geos, grids, world).items():
+        if owner == rank:
+            mine.setdefault(i, []).append(c)
+    return RankPlan(signature, geos, grids, tuple(segment_spans(geos, grids)), mine)
+
+
+def _write_mine(writer: CheckpointWriter, leaves: list[ArrayLeaf],
+                rows: list[tuple[int, int] | None], plan: RankPlan
+                ) -> dict[tuple[int, int], ChunkRef]:
+    """Write the chunks the plan gives this rank: {(tensor, chunk): ref}. Each chunk of a
+    tensor in row blocks is handed to the writer as a leaf of its own (a view: no copy), so
+    its jobs, budget and overlapped staging apply unchanged."""
+    parts: list[ArrayLeaf] = []
+    plans: list[LeafPlan] = []
+    where: list[tuple[int, int]] = []
+    for i, (leaf, r, g) in enumerate(zip(leaves, rows, plan.grids)):
+        if r is None:
+            owned = plan.mine.get(i, [])
+            if not owned:
+                continue
+            if g.packed or not g.shape:
+                parts.append(leaf)
+                plans.append(LeafPlan(g.chunk_rows, packed=g.packed))
+                where.append((i, 0))
+                continue
+            start = 0
+        else:
+            owned = list(g.chunks_in_rows(r))
+            start = r[0]
+        for c in owned:
+            region = g.region(c)
+            view = leaf.array[tuple(slice(lo - s, hi - s) for (lo, hi), s
+                                    in zip(region, (start,) + (0,) * (len(region) - 1)))]
+            parts.append(leaf.with_array(view))
+            plans.append(LeafPlan(max(1, region[0][1] - region[0][0]), packed=g.small))
+            where.append((i, c))
+    refs = writer.write_blobs(parts, plans, leaf_of=[i for i, _c in where])
+    return {where[j]: ref for (j, _zero), ref in refs.items()}
+
+
+def _rows_for(refs: dict[tuple[int, int], ChunkRef]) -> np.ndarray:
+    out = np.zeros(len(refs), dtype=ROW)
+    if not refs:
+        return out
+    keys = list(refs)
+    out["tensor"] = [i for i, _c in keys]
+    out["chunk"] = [c for _i, c in keys]
+    values = list(refs.values())
+    out["offset"] = [r.offset for r in values]
+    out["size"] = [r.size for r in values]
+    out["nbytes"] = [r.nbytes for r in values]
+    out["blob"] = np.frombuffer(bytes.fromhex("".join(r.blob for r in values)),
+                                dtype=np.uint8).reshape(-1, 16)
+    out["digest"] = np.frombuffer(bytes.fromhex("".join(r.digest for r in values)),
+                                  dtype=np.uint8).reshape(-1, 16)
+    return out
+
+
+def outgoing(refs: dict[tuple[int, int], ChunkRef], plan: RankPlan, world: int
+             ) -> list[bytes]:
+    """Step 4 on this rank: the rows of its chunk references for each rank (those of the
+    segments that rank builds; empty for most)."""
+    rows = _rows_for(refs)
+    dest = np.array([builder_of(int(s), world) for s in range(len(plan.spans))],
+                    dtype=np.int64)[plan.segment_of()[rows["tensor"].astype(np.int64)]]
+    order = np.argsort(dest, kind="stable")
+    rows, dest = rows[order], dest[order]
+    bounds = np.searchsorted(dest, np.arange(world + 1))
+    return [rows[bounds[r]:bounds[r + 1]].tobytes() for r in range(world)]
+
+
+def _hex(column: np.ndarray) -> list[str]:
+    h = column.tobytes().hex()
+    return [h[k:k + 32] for k in range(0, len(h), 32)]
+
+
+def _build_segment(s: int, span: range, rows: np.ndarray, plan: RankPlan,
+                   leaves: list[ArrayLeaf], storage: list[StorageRef | None],
+                   compression: Codec | None) -> list[TensorEntry]:
+    """The entries of segment `s` from every rank's rows of its tensors (step 5)."""
+    mine = rows[(rows["tensor"] >= span.start) & (rows["tensor"] < span.stop)]
+    order = np.lexsort((mine["chunk"], mine["tensor"]))  # stable: lowest rank first
+    mine = mine[order]
+    key = mine["tensor"].astype(np.int64) << 32 | mine["chunk"].astype(np.int64)
+    first = np.ones(len(mine), dtype=bool)
+    first[1:] = key[1:] != key[:-1]
+    copies = ~first
+    if copies.any():  # the same chunk from ranks holding the same rows: must be the same
+        dup = np.flatnonzero(copies)
+        differ = (mine["digest"][dup] != mine["digest"][dup - 1]).any(axis=1) | (
+            mine["nbytes"][dup] != mine["nbytes"][dup - 1])
+        if differ.any():
+            j = int(dup[np.flatnonzero(differ)[0]])
+            i, c = int(mine["tensor"][j]), int(mine["chunk"][j])
+            raise CkptStoreError(f"{leaves[i].key}: ranks holding chunk {c} "
+                                 f"{list(plan.grids[i].region(c))} hold different values")
+        mine = mine[first]
+    counts = np.bincount(mine["tensor"].astype(np.int64) - span.start, minlength=len(span))
+    blobs, digests = _hex(mine["blob"]), _hex(mine["digest"])
+    offsets, sizes, nbytes = (mine[f].tolist() for f in ("offset", "size", "nbytes"))
+    entries = []
+    at = 0
+    for k, i in enumerate(span):
+        g, leaf = plan.grids[i], leaves[i]
+        n = int(counts[k])
+        if n != g.chunks:
+            held = set(mine["chunk"][at:at + n].tolist())
+            gap = next(c for c in range(g.chunks) if c not in held)
+            raise CkptStoreError(f"{leaf.key}: no rank holds the elements "
+                                 f"{list(g.region(gap))} of the global shape "
+                                 f"{list(g.shape)}: the ranks' shards do not cover the tensor")
+        chunks = tuple(ChunkRef(blobs[j], offsets[j], sizes[j], nbytes[j], digests[j])
+                       for j in range(at, at + n))
+        at += n
+        entry = TensorEntry(
+            key=leaf.key, kind=leaf.kind, dtype=leaf.dtype, shape=g.shape,
+            chunk_rows=g.chunk_rows, codec=None if g.packed or g.small else compression,
+            chunks=chunks, requires_grad=leaf.requires_grad, parameter=leaf.parameter,
+            storage=storage[i], chunk_shape=g.chunk_shape)
+        problem = entry_problem(entry)
+        if problem is not None:
+            raise CkptStoreError(f"{leaf.key}: {problem}")
+        entries.append(entry)
+    return entries
+
+
+def build_segments(writer: CheckpointWriter, rows: np.ndarray, plan: RankPlan,
+                   leaves: list[ArrayLeaf], rank: int, world: int) -> list[list[Any]]:
+    """Step 5 on this rank: build, write and make durable the segments it builds from
+    every rank's `rows` of them. Returns [segment, digest, size, tensors, nbytes] of each."""
+    storage = [None if geo.sharded else ref
+               for geo, ref in zip(plan.geometry, storage_refs(leaves))]
+    algorithm = writer.options.hash
+    out = []
+    for s, span in enumerate(plan.spans):
+        if builder_of(s, world) != rank:
+            continue
+        entries = _build_segment(s, span, rows, plan, leaves, storage,
+                                 writer.options.compression)
+        data = encode(entries)
+        digest = algorithm.digest(data)
+        writer.put_index_blob(digest, data)
+        out.append([s, digest, len(data), len(span), sum(t.nbytes for t in entries)])
+    writer.store.sync()
+    return out
+
+
+def _error(rank: int, exc: BaseException) -> str:
+    return f"rank {rank}: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+
+
+def save_by_rank_plans(writer: CheckpointWriter, request: SaveRequest, group: Any,
+                       memory: RankMemory) -> Manifest | None | object:
+    """Run the collective save (module docstring). Returns the manifest on rank 0, None on
+    the others, or FALLBACK on every rank when the state needs `save_collective`; raises the
+    same CkptStoreError on every rank if any rank failed (nothing committed)."""
+    name, leaves = request.name, request.leaves
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    clock = StepClock()
+    try:
+        rows = [rows_of(leaf) for leaf in leaves]
+        describable = True
+    except Unplannable:
+        rows, describable = [], False
+    structure = _structure(leaves)
+    signature = _signature(structure, rows, world, rank, writer) if describable else 0
+    cached = memory.plan if memory.plan is not None and memory.plan.signature == signature \
+        else None
+    failed, odd, high, neg_low, changed = all_reduce_ints(
+        [0, int(not describable), structure, -structure, int(cached is None)], group)
+    if failed:
+        errors = [e for e in all_gather_json(None, group) if e is not None]
+        raise CkptStoreError(f"collective save of {name!r} failed, nothing committed: "
+                             f"{errors[0]}")
+    if odd or high != -neg_low:  # the general protocol (which names any disagreement)
+        return FALLBACK
+
+    # 2. plan (or the cached plan, if no rank's placements changed)
+    clock.lap("agree")
+    if changed or cached is None:
+        gcds = agree_gcds([interior_gcd(r, int(leaf.global_shape[0]))
+                           if r is not None and leaf.global_shape else 0
+                           for leaf, r in zip(leaves, rows)], group)
+        plan = plan_rank(leaves, rows, gcds, signature, writer, rank, world)
+    else:
+        plan = cached
+    memory.plan = plan
+    clock.lap("plan", cached=int(plan is cached))
+
+    # 3. write
+    error = None
+    refs: dict[tuple[int, int], ChunkRef] = {}
+    try:
+        refs = _write_mine(writer, leaves, rows, plan)
+        writer.store.sync()
+        writer.confirm_sources()  # this rank's last check of overlapped sources
+        if writer.confirm_reused is not None:
+            writer.confirm_reused(writer.reused_blobs(refs.values()))
+    except Exception as exc:  # reported to rank 0 below
+        error, refs = _error(rank, exc), {}
+
+    # 4-5. exchange, build
+    clock.lap("write")
+    sent = outgoing(refs, plan, world)
+    received = np.frombuffer(b"".join(all_to_all_bytes(sent, group)), dtype=ROW)
+    clock.lap("exchange", sent=sum(len(p) for p in sent), received=received.nbytes)
+    built: list[list[Any]] = []
+    build_error = None
+    if error is None:
+        try:
+            built = build_segments(writer, received, plan, leaves, rank, world)
+        except Exception as exc:
+            build_error = _error(rank, exc)
+    clock.lap("build")
+
+    # 6. report
+    records = gather_json({"error": error, "build_error": build_error, "segments": built},
+                          group)
+    clock.lap("report")
+
+    # 7. commit
+    manifest = None
+    outcome: dict[str, Any] = {"ok": True}
+    if records is not None:
+        # what gather_json received: every record padded to the longest
+        clock.counts["gathered"] = len(records) * max(len(canonical_json(r)) for r in records)
+        try:
+            manifest = commit_root(writer, request, plan, records)
+        except Exception as exc:
+            outcome = {"error": str(exc) if isinstance(exc, _RankFailed) else _error(0, exc)}
+    outcome = broadcast_json(outcome, group)
+    clock.lap("commit")
+    memory.last = clock.done()
+    if "error" in outcome:
+        raise CkptStoreError(f"collective save of {name!r} failed, nothing committed: "
+                             f"{outcome['error']}")
+    codecs = {i: None if g.packed or g.small else writer.options.compression
+              for i, g in enumerate(plan.grids)}
+    index_blobs = {str(b[1]) for b in built}
+    if manifest is not None:  # rank 0: the tree's blobs too
+        index_blobs.update(r.digest for r in manifest.index_blobs())
+    memory.remember(name, [(ref, codecs[i]) for (i, _c), ref in refs.items()], index_blobs)
+    return manifest
+
+
+class _RankFailed(Exception):
+    """A rank's reported error (its text is already prefixed by the rank)."""
+
+
+def commit_root(writer: CheckpointWriter, request: SaveRequest, plan: RankPlan,
+                records: list[Any]) -> Manifest:
+    """Rank 0: the root of every rank's segments, committed, if no rank failed."""
+    for field_name in ("error", "build_error"):  # a rank's own failure before its consequences
+        for rec in records:
+            if rec[field_name] is not None:
+                raise _RankFailed(rec[field_name])
+    found: dict[int, SegmentRef] = {}
+    for rec in records:
+        for s, digest, size, tensors, nbytes in rec["segments"]:
+            found[int(s)] = SegmentRef(str(digest), int(size), int(tensors), int(nbytes))
+    if sorted(found) != list(range(len(plan.spans))):
+        raise _RankFailed(f"rank 0: {len(plan.spans) - len(found)} index segment(s) were "
+                          "built by no rank")
+    refs = [found[s] for s in range(len(plan.spans))]
+    algorithm = hash_algorithm(writer.options.hash.name)
+    tensors = SegmentedEntries(refs, segments_in([writer.store], algorithm),
+                               f"checkpoint {request.name!r}")
+    manifest = Manifest(name=request.name, created=writer.creation_time(),
+                        metadata=request.metadata, tree=request.tree, tensors=tensors,
+                        parent=request.parent, hash=algorithm.name, version=SEGMENTED_VERSION)
+    writer.commit(manifest, request.manifest_key, reused=set())  # each rank confirmed its own
+    return manifest

@@ -1,0 +1,184 @@
+"""The collective save planned on each rank (training/rank_save.py, pipeline/rank_planning.py):
+its plan against the general planner's, and real saves on 3 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from ckptstore import CheckpointStore
+from ckptstore.format.dtypes import by_name
+from ckptstore.format.manifest import SEGMENTED_VERSION
+from ckptstore.format.regions import block_runs
+from ckptstore.format.segment_encoding import cut, cut_counts
+from ckptstore.pipeline.options import SaveOptions
+from ckptstore.pipeline.planning import plan_collective
+from ckptstore.pipeline.rank_planning import (
+    Grid,
+    TensorGeometry,
+    builder_of,
+    grid,
+    interior_gcd,
+    replicated_owners,
+)
+from tests import rank_save_worker
+from tests.helpers import spawn_ranks
+
+
+def _descs(shapes, shards, world):
+    """Descriptions (as training/distributed._describe makes them) of tensors `shapes`, each
+    whole on every rank (shards[i] None) or in the row ranges shards[i][rank]."""
+    out = []
+    for rank in range(world):
+        d = []
+        for i, shape in enumerate(shapes):
+            rows = shards[i]
+            if rows is None:
+                runs, partial, local = block_runs((0,) * len(shape), shape), False, shape
+            else:
+                a, b = rows[rank]
+                local = (b - a, *shape[1:])
+                runs, partial = block_runs((a,) + (0,) * (len(shape) - 1), local), True
+            d.append({"key": f"t{i}", "kind": "torch", "dtype": "float32", "shape": list(local),
+                      "global": list(shape), "runs": [list(map(list, r)) for r in runs],
+                      "partial": partial})
+        out.append(d)
+    return out
+
+
+def _random_rows(rng: random.Random, n: int, world: int) -> list[tuple[int, int]]:
+    cuts = sorted(rng.randint(0, n) for _ in range(world - 1))
+    bounds = [0, *cuts, n]
+    return [(bounds[r], bounds[r + 1]) for r in range(world)]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_rank_plans_choose_the_general_planners_grid_and_cover_every_chunk_once(seed):
+    """For row shards (even, uneven, empty on some ranks) and replicated tensors of every
+    size class, the grid each rank derives from the agreed gcd is the one plan_collective
+    derives from every rank's description, and the chunks the ranks write cover every chunk
+    exactly once."""
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4, 7])
+    options = SaveOptions(chunk_bytes=rng.choice([4096, 65536]), pack_threshold=2048)
+    shapes, shards = [], []
+    for _ in range(rng.randint(1, 8)):
+        shape = tuple([rng.choice([0, 1, 3, 17, 64, 300])]
+                      + [rng.choice([1, 5, 32]) for _ in range(rng.randint(0, 2))])
+        if rng.random() < 0.3 or not shape[0]:
+            shape = shape if rng.random() < 0.8 else ()
+            shards.append(None)
+        else:
+            rows = (_random_rows(rng, shape[0], world) if rng.random() < 0.5 else
+                    [(min(shape[0], r * -(-shape[0] // world)),
+                      min(shape[0], (r + 1) * -(-shape[0] // world))) for r in range(world)])
+            shards.append(rows)
+        shapes.append(shape)
+    layouts, _load = plan_collective(_descs(shapes, shards, world), options)
+    f32 = by_name("float32")
+    geos = [TensorGeometry(f"t{i}", f32, s, shards[i] is not None) for i, s in enumerate(shapes)]
+    grids = []
+    for i, (geo, lay) in enumerate(zip(geos, layouts)):
+        g = 0
+        for rows in shards[i] or []:
+            g = math.gcd(g, interior_gcd(rows, shapes[i][0]))
+        got = grid(geo, g, options)
+        assert (got.chunk_rows, got.chunk_shape, got.packed, got.small, got.chunks) == (
+            lay.chunk_rows, lay.chunk_shape, lay.packed, lay.small, len(lay.owners)), (i, lay)
+        grids.append(got)
+    owners = replicated_owners(geos, grids, world)
+    for i, g in enumerate(grids):
+        writers: dict[int, list[int]] = {c: [] for c in range(g.chunks)}
+        for rank in range(world):
+            mine = ([c for (j, c), r in owners.items() if j == i and r == rank]
+                    if shards[i] is None else list(g.chunks_in_rows(shards[i][rank])))
+            for c in mine:
+                writers[c].append(rank)
+                if shards[i] is not None:  # a chunk lies inside the rows of its writer
+                    (lo, hi), *_rest = g.region(c)
+                    a, b = shards[i][rank]
+                    assert a <= lo and hi <= b
+        assert all(len(w) == 1 for w in writers.values()), writers
+
+
+def test_replicated_chunks_are_balanced_and_the_same_on_every_rank():
+    f32 = by_name("float32")
+    geos = [TensorGeometry(f"t{i}", f32, (1000 + i, 16), False) for i in range(10)]
+    grids = [Grid(g.shape, 100, None, False, False, -(-g.shape[0] // 100)) for g in geos]
+    a = replicated_owners(geos, grids, 4)
+    assert a == replicated_owners(geos, grids, 4)
+    loads = [0] * 4
+    for (i, c), r in a.items():
+        loads[r] += grids[i].chunk_bytes(c, 4)
+    assert max(loads) - min(loads) <= 100 * 16 * 4  # within one chunk
+
+
+def test_segment_cut_of_counts_is_the_cut_of_entries():
+    from ckptstore.format.manifest import ChunkRef, TensorEntry
+
+    ref = ChunkRef("0" * 32, 0, 4, 4, "0" * 32)
+    entries = [TensorEntry(f"k{i}", "torch", by_name("float32"), (n,), 1, None, (ref,) * n)
+               for i, n in enumerate([3, 70000, 1, 5000, 65000, 2] * 40)]
+    assert cut(entries) == cut_counts([t.key for t in entries], [len(t.chunks) for t in entries])
+
+
+def test_builders_spare_rank_0_and_spread_segments():
+    assert [builder_of(s, 4) for s in range(7)] == [1, 2, 3, 1, 2, 3, 1]
+    assert builder_of(5, 1) == 0
+
+
+def _spawn(fn, world, tmp_path, tag, args):
+    spawn_ranks(fn, world, tmp_path, tag, args, lambda rank: f"r{rank}")
+
+
+def test_agree_gcds_on_three_ranks(tmp_path):
+    _spawn(rank_save_worker.gcd_worker, 3, tmp_path, "gcd", lambda init, out: (3, init, out))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["even", "uneven"])
+def test_three_ranks_save_by_their_own_plans_reuse_without_reading_back(tmp_path, mode):
+    """Three saves on 3 ranks: each commits a version-3 manifest that loads whole in one
+    process; the 2nd and 3rd reuse the parent's chunks from each rank's memory (no rank
+    reads the parent) and the cached plan (no gcd round); the 3rd writes no chunk."""
+    root = tmp_path / "repo"
+    _spawn(rank_save_worker.save_worker, 3, tmp_path, "save",
+           lambda init, out: (3, init, str(root), out, mode))
+    stats = [json.loads((tmp_path / "out-save" / f"stats-{r}.json").read_text())
+             for r in range(3)]
+    for rank, per_save in enumerate(stats):
+        first, second, third = per_save
+        assert first["rounds"] == 1 and second["rounds"] == 0 and third["rounds"] == 0, rank
+        assert second["reads"] == [] and third["reads"] == [], (rank, per_save)
+        assert third["written"] == 0, (rank, third)
+    assert sum(s[1]["reused"] for s in stats) > 0  # rep, bias, step unchanged at step 2
+    assert sum(s[0]["written"] for s in stats) > 3  # every rank wrote at step 1
+    repo = CheckpointStore(root, create=False)
+    t = rank_save_worker.truth()
+    for step, extra in ((1, 0.0), (3, 1.0)):
+        manifest = repo.manifest(f"step-{step}")
+        assert manifest.version == SEGMENTED_VERSION
+        state = repo.load(f"step-{step}")
+        assert torch.equal(state["model"]["emb"], t["emb"] + extra)
+        assert torch.equal(state["model"]["rep"], t["rep"])
+        assert torch.equal(state["model"]["bias"], t["bias"])
+        assert state["model"]["none"].shape == (0, 4)
+        assert torch.equal(state["optim"]["step"], t["step"]) and state["note"] == "plain"
+        assert repo.verify(f"step-{step}").ok
+    assert (repo.manifest("step-2").segment_refs() == repo.manifest("step-3").segment_refs())
+    part = repo.load("step-3", keys=["model.emb"])
+    assert torch.equal(part["model"]["emb"], t["emb"] + 1.0)
+    repo.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["gap", "differ"])
+def test_shards_that_leave_rows_unheld_or_disagree_commit_nothing(tmp_path, mode):
+    root = tmp_path / "repo"
+    _spawn(rank_save_worker.save_worker, 3, tmp_path, mode,
+           lambda init, out: (3, init, str(root), out, mode))
+    assert CheckpointStore(root, create=False).list() == []

@@ -1,0 +1,97 @@
+"""Workers of tests/ckptstore/training/test_rank_save.py (spawned ranks, gloo on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from tests.dist_worker import _init, reporting
+
+#: rows of the uneven row shards of "emb" per rank (3 ranks); "gap" leaves rows 9-10 unheld
+ROWS = {"even": [(0, 4), (4, 8), (8, 12)], "uneven": [(0, 5), (5, 8), (8, 12)],
+        "gap": [(0, 5), (5, 8), (10, 12)]}
+
+
+def truth() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"emb": torch.randn(12, 300, generator=g), "rep": torch.randn(2000, 64, generator=g),
+            "bias": torch.randn(5, generator=g), "step": torch.tensor(3.0),
+            "none": torch.zeros(0, 4)}
+
+
+def _state(rank: int, rows: list[tuple[int, int]], extra: float = 0.0) -> dict:
+    import ckptstore
+
+    t = truth()
+    a, b = rows[rank]
+    return {"model": {"emb": ckptstore.Shard(t["emb"][a:b] + extra, a, tuple(t["emb"].shape)),
+                      "rep": t["rep"], "bias": t["bias"], "none": t["none"]},
+            "optim": {"step": t["step"]}, "note": "plain"}
+
+
+def gcd_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """agree_gcds over real ranks: the gcd of each column, 0 where no rank has a value."""
+    with reporting(os.path.join(out_dir, f"r{rank}")):
+        _init(rank, world, init_file)
+        import torch.distributed as dist
+
+        from ckptstore.training.rank_save import agree_gcds
+
+        local = [[12, 6, 0, 7, 9], [8, 0, 0, 7, 6], [20, 9, 0, 7, 4]][rank]
+        got = agree_gcds(local, dist.group.WORLD)
+        assert got == [4, 3, 0, 7, 1], got
+
+
+def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
+                mode: str) -> None:
+    """mode "even"/"uneven": three saves (the 2nd changes emb's values, the 3rd nothing);
+    report per save: chunks written/reused, parent reads, gcd rounds. "gap": one save that
+    must fail on every rank. "differ": rank 1 and 2 both hold rows 8-12 with other values."""
+    with reporting(os.path.join(out_dir, f"r{rank}")):
+        _init(rank, world, init_file)
+        import ckptstore
+        from ckptstore.training import rank_save
+
+        rounds = []
+        real_agree = rank_save.agree_gcds
+
+        def counting(local, group):
+            rounds.append(len(local))
+            return real_agree(local, group)
+
+        rank_save.agree_gcds = counting
+        mgr = ckptstore.CheckpointManager(root, keep_last=5, chunk_bytes=16 * 1024)
+        reads: list[str] = []  # parents read to know their chunks (KnownChunks.add_manifest)
+        from ckptstore.pipeline.writer import KnownChunks
+
+        real_add = KnownChunks.add_manifest
+
+        def counting_add(self, manifest):
+            reads.append(manifest.name)
+            return real_add(self, manifest)
+
+        KnownChunks.add_manifest = counting_add
+        if mode in ("gap", "differ"):
+            rows = ROWS["gap"] if mode == "gap" else [(0, 5), (5, 12), (8, 12)]
+            state = _state(rank, rows, extra=float(rank) if mode == "differ" else 0.0)
+            try:
+                mgr.save(1, state)
+                raise AssertionError("a save whose shards are wrong succeeded")
+            except ckptstore.CkptStoreError as exc:
+                want = "do not cover" if mode == "gap" else "hold different values"
+                assert want in str(exc) and "model.emb" in str(exc), str(exc)
+            assert mgr.repo.list() == [], mgr.repo.list()
+            mgr.close()
+            return
+        report = []
+        for step, extra in ((1, 0.0), (2, 1.0), (3, 1.0)):
+            reads.clear()
+            rounds.clear()
+            info = mgr.save(step, _state(rank, ROWS[mode], extra))
+            report.append({"written": info.chunks_written, "reused": info.chunks_reused,
+                           "reads": list(reads), "rounds": len(rounds)})
+        mgr.close()
+        with open(os.path.join(out_dir, f"stats-{rank}.json"), "w") as f:
+            json.dump(report, f)
