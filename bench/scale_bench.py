@@ -20,7 +20,10 @@ Parts (`--parts`, comma-separated; default all), each in fresh subprocesses (ben
     ls           ckpt ls / du / gc --dry-run and list() / latest() over the incremental
                  part's repository (--history-count checkpoints of --history-tensors)
     many         a save's cost in a repository of 10 vs 500 checkpoints (--many-counts)
-    collective   collective planning and commit simulated for --ranks (7B, FSDP-style)
+    collective   collective saves of a 7B FSDP-style state simulated for --ranks, by the
+                 general protocol and by rank plans (one run: before and after), 70B with
+                 Adam by rank plans at the largest, and a real 4-rank gloo save beside its
+                 simulation
 
 Prints progress as it goes, then rich tables and the targets (met / missed), and writes every
 raw number to --out (JSON) and the tables to <out>.md. `--source DIR` puts DIR first on the
