@@ -95,3 +95,29 @@ def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
         mgr.close()
         with open(os.path.join(out_dir, f"stats-{rank}.json"), "w") as f:
             json.dump(report, f)
+
+
+def hsdp_truth() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {f"w{i}": torch.randn(64 + 8 * i, 48, generator=g) for i in range(6)}
+
+
+def hsdp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str) -> None:
+    """4 ranks, a 2 x 2 mesh (Replicate, Shard(0)) as HSDP places parameters: each row range
+    is held by two ranks. Reports the chunks this rank wrote and its replica index."""
+    with reporting(os.path.join(out_dir, f"r{rank}")):
+        _init(rank, world, init_file)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        import ckptstore
+
+        mesh = init_device_mesh("cpu", (2, 2))
+        state = {k: distribute_tensor(v, mesh, [Replicate(), Shard(0)])
+                 for k, v in hsdp_truth().items()}
+        mgr = ckptstore.CheckpointManager(root, chunk_bytes=1024)
+        info = mgr.save(1, {"model": state})
+        written = info.chunks_written
+        mgr.close()
+        with open(os.path.join(out_dir, f"stats-{rank}.json"), "w") as f:
+            json.dump({"written": written, "coordinate": list(mesh.get_coordinate())}, f)

@@ -31,6 +31,10 @@ class ArrayLeaf:
     #: when sharded along other dims too (a DTensor): where `array` lies in the global tensor,
     #: per dim (see format/regions.py); None: rows from `row_offset` on dim 0
     region_runs: tuple[tuple[tuple[int, int, int], ...], ...] | None = None
+    #: (index, count): this process is copy `index` of `count` processes holding the same
+    #: part (a DTensor's Replicate mesh dims beside its Shard ones); in a collective save the
+    #: copies share the writing of its chunks (pipeline/rank_planning.py)
+    replica: tuple[int, int] = (0, 1)
 
     @property
     def is_partial(self) -> bool:

@@ -98,7 +98,10 @@ def tensor_leaf(t: Any, key: str) -> ArrayLeaf:
         parameter = isinstance(t, torch.nn.Parameter)
         local = dtensor_local(t, key)
         if local is not None:
-            return _dtensor_leaf(local, key, requires_grad, parameter)
+            leaf = _dtensor_leaf(local, key, requires_grad, parameter)
+            if leaf.region_runs is not None:
+                leaf.replica = dtensor_replica(t)
+            return leaf
         base = t.detach()
     if base.is_conj():
         base = base.resolve_conj()
@@ -189,6 +192,18 @@ def dtensor_local(t: Any, key: str) -> tuple[torch.Tensor, Runs | None, tuple[in
     if runs == tuple(((0, 0, n),) if n else () for n in global_shape):
         return local, None, global_shape
     return local, runs, global_shape
+
+
+def dtensor_replica(t: Any) -> tuple[int, int]:
+    """(index, count) of this rank among the ranks holding the same part of DTensor `t`: its
+    coordinate over the mesh dims whose placement is Replicate(), and their sizes' product."""
+    from torch.distributed.tensor import Replicate
+
+    index, count = 0, 1
+    for n, c, p in zip(t.device_mesh.shape, t.device_mesh.get_coordinate(), t.placements):
+        if isinstance(p, Replicate):
+            index, count = index * int(n) + int(c), count * int(n)
+    return index, count
 
 
 def _tensor_runs(index: torch.Tensor) -> tuple[tuple[int, int, int], ...]:

@@ -12,9 +12,12 @@ rest:
 - a tensor that every rank holds whole (replicated: DDP weights, Adam's `step`): its chunks
   go, largest first, to the rank with the fewest bytes so far (`replicated_owners`, the same
   on every rank: the inputs are the shared geometry only);
-- a tensor that ranks hold in row ranges (a `Shard`, an FSDP-style DTensor on a 1-D mesh):
-  each rank writes the chunks inside its rows. Two ranks holding the same rows both write
-  them; the segment builder keeps one copy and refuses copies that differ.
+- a tensor that ranks hold in row ranges (a `Shard`, an FSDP-style DTensor, HSDP's
+  Replicate x Shard(0) mesh): each rank writes the chunks inside its rows; where R ranks
+  hold the same rows as copies of one another (`ArrayLeaf.replica`: a DTensor's Replicate
+  mesh dims), copy k writes the chunks c with (tensor + c) % R == k (`copy_writes`). Ranks
+  holding the same rows without saying so (overlapping `Shard`s) all write them; the segment
+  builder keeps one copy and refuses copies that differ.
 
 Which states qualify (`rows_of`): every array leaf whole, or a row range of dim 0. Shards
 along other dims or several boxes per rank (tensor parallelism, 2-D meshes) use
@@ -132,6 +135,12 @@ class Grid:
         per_row = math.prod(max(1, -(-n // c)) for n, c in zip(self.shape[1:], block[1:]))
         first, last = start // block[0], -(-stop // block[0])
         yield from range(first * per_row, min(self.chunks, last * per_row))
+
+
+def copy_writes(tensor: int, chunk: int, replica: tuple[int, int]) -> bool:
+    """True if copy `replica[0]` of `replica[1]` ranks holding a chunk writes it."""
+    index, count = replica
+    return (tensor + chunk) % count == index
 
 
 def grid(geo: TensorGeometry, gcd: int, options: SaveOptions) -> Grid:

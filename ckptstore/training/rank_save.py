@@ -8,7 +8,7 @@ Every rank of `group` calls `save_by_rank_plans` with its own state; the steps, 
    this plan cannot describe (sharded along another dim than 0, or in several boxes: then
    every rank runs `distributed.save_collective`, the plan over every rank's description);
    a 62-bit digest of the state's structure (keys, kinds, dtypes, global shapes, which
-   leaves are sharded) and its negation (the ranks agree iff max == -max(-digest)); and
+   leaves are sharded and in how many copies) and its negation (the ranks agree iff max == -max(-digest)); and
    "my placements differ from my cached plan's".
 2. plan: unless no rank's placements changed (the cached plan is used again, as DCP's plan
    caching), the gcd of every tensor's interior row boundaries is agreed by rounds of
@@ -70,6 +70,7 @@ from ..pipeline.rank_planning import (
     TensorGeometry,
     Unplannable,
     builder_of,
+    copy_writes,
     grid,
     interior_gcd,
     replicated_owners,
@@ -177,7 +178,8 @@ def _structure(leaves: list[ArrayLeaf]) -> int:
     for leaf in leaves:
         shape = tuple(leaf.global_shape or leaf.array.shape)
         h.update(f"{leaf.key}\0{leaf.kind}\0{leaf.dtype.name}\0{shape}\0"
-                 f"{int(leaf.is_partial)}\n".encode("utf-8", "surrogatepass"))
+                 f"{int(leaf.is_partial)}\0{leaf.replica[1]}\n".encode("utf-8",
+                                                                     "surrogatepass"))
     return h.intdigest() >> 2
 
 
@@ -239,7 +241,7 @@ def _write_mine(writer: CheckpointWriter, leaves: list[ArrayLeaf],
                 continue
             start = 0
         else:
-            owned = list(g.chunks_in_rows(r))
+            owned = [c for c in g.chunks_in_rows(r) if copy_writes(i, c, leaf.replica)]
             start = r[0]
         for c in owned:
             region = g.region(c)

@@ -182,3 +182,26 @@ def test_shards_that_leave_rows_unheld_or_disagree_commit_nothing(tmp_path, mode
     _spawn(rank_save_worker.save_worker, 3, tmp_path, mode,
            lambda init, out: (3, init, str(root), out, mode))
     assert CheckpointStore(root, create=False).list() == []
+
+
+@pytest.mark.slow
+def test_hsdp_copies_of_a_shard_share_its_writing(tmp_path):
+    """On a 2 x 2 mesh (Replicate, Shard(0)) two ranks hold each row range: every chunk is
+    written once in total, by both copies in turn, and the checkpoint loads whole."""
+    root = tmp_path / "repo"
+    _spawn(rank_save_worker.hsdp_worker, 4, tmp_path, "hsdp",
+           lambda init, out: (4, init, str(root), out))
+    stats = [json.loads((tmp_path / "out-hsdp" / f"stats-{r}.json").read_text())
+             for r in range(4)]
+    repo = CheckpointStore(root, create=False)
+    manifest = repo.manifest("step-1")
+    assert manifest.version == SEGMENTED_VERSION
+    chunks = sum(len(t.chunks) for t in manifest.tensors)
+    assert sum(s["written"] for s in stats) == chunks
+    by_copy = [sum(s["written"] for s in stats if s["coordinate"][0] == k) for k in (0, 1)]
+    assert min(by_copy) >= chunks // 4, by_copy  # both copies write their share
+    state = repo.load("step-1")
+    for k, v in rank_save_worker.hsdp_truth().items():
+        assert torch.equal(state["model"][k], v), k
+    assert repo.verify("step-1").ok
+    repo.close()
