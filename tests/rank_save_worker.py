@@ -46,7 +46,8 @@ def gcd_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
                 mode: str) -> None:
-    """mode "even"/"uneven": three saves (the 2nd changes emb's values, the 3rd nothing);
+    """mode "even"/"uneven": four saves (the 2nd changes emb's values, the 3rd nothing, the
+    4th changes its values and the ranks' rows);
     report per save: chunks written/reused, parent reads, gcd rounds. "gap": one save that
     must fail on every rank. "differ": rank 1 and 2 both hold rows 8-12 with other values."""
     with reporting(os.path.join(out_dir, f"r{rank}")):
@@ -86,10 +87,12 @@ def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
             mgr.close()
             return
         report = []
-        for step, extra in ((1, 0.0), (2, 1.0), (3, 1.0)):
+        other = ROWS["uneven" if mode == "even" else "even"]
+        for step, extra, rows in ((1, 0.0, ROWS[mode]), (2, 1.0, ROWS[mode]),
+                                  (3, 1.0, ROWS[mode]), (4, 2.0, other)):
             reads.clear()
             rounds.clear()
-            info = mgr.save(step, _state(rank, ROWS[mode], extra))
+            info = mgr.save(step, _state(rank, rows, extra))
             report.append({"written": info.chunks_written, "reused": info.chunks_reused,
                            "reads": list(reads), "rounds": len(rounds)})
         mgr.close()

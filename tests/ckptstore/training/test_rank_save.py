@@ -142,24 +142,26 @@ def test_agree_gcds_on_three_ranks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["even", "uneven"])
 def test_three_ranks_save_by_their_own_plans_reuse_without_reading_back(tmp_path, mode):
-    """Three saves on 3 ranks: each commits a version-3 manifest that loads whole in one
+    """Four saves on 3 ranks: each commits a version-3 manifest that loads whole in one
     process; the 2nd and 3rd reuse the parent's chunks from each rank's memory (no rank
-    reads the parent) and the cached plan (no gcd round); the 3rd writes no chunk."""
+    reads the parent) and the cached plan (no gcd round); the 3rd writes no chunk; the 4th,
+    with other rows per rank, plans again."""
     root = tmp_path / "repo"
     _spawn(rank_save_worker.save_worker, 3, tmp_path, "save",
            lambda init, out: (3, init, str(root), out, mode))
     stats = [json.loads((tmp_path / "out-save" / f"stats-{r}.json").read_text())
              for r in range(3)]
     for rank, per_save in enumerate(stats):
-        first, second, third = per_save
+        first, second, third, fourth = per_save
         assert first["rounds"] == 1 and second["rounds"] == 0 and third["rounds"] == 0, rank
+        assert fourth["rounds"] == 1, rank  # new rows: the cached plan is not used
         assert second["reads"] == [] and third["reads"] == [], (rank, per_save)
         assert third["written"] == 0, (rank, third)
     assert sum(s[1]["reused"] for s in stats) > 0  # rep, bias, step unchanged at step 2
     assert sum(s[0]["written"] for s in stats) > 3  # every rank wrote at step 1
     repo = CheckpointStore(root, create=False)
     t = rank_save_worker.truth()
-    for step, extra in ((1, 0.0), (3, 1.0)):
+    for step, extra in ((1, 0.0), (3, 1.0), (4, 2.0)):
         manifest = repo.manifest(f"step-{step}")
         assert manifest.version == SEGMENTED_VERSION
         state = repo.load(f"step-{step}")
