@@ -2,9 +2,11 @@
 """The scale benchmark of issue 26: what ckptstore's costs do as tensors, checkpoints and ranks
 grow, against the issue's targets, in one run.
 
-    python bench/scale_bench.py                                  # every part (~10 min here)
+    python bench/scale_bench.py                                  # every part (~10 min here,
+                                                # and ~13 min more for peers at load 5)
     python bench/scale_bench.py --quick                          # small sizes, 1 rep (~1 min)
     python bench/scale_bench.py --parts manifest,keys --sizes 1000,20000
+    python bench/scale_bench.py --parts peers --peers-sizes 20000   # ckptstore vs DCP, TC
     python bench/scale_bench.py --source /tmp/ckpt-main          # measure another checkout
     python bench/scale_bench.py --parts incremental,ls --ls-also after=/tmp/ckpt-after
                                  # ls, du, gc, list() with two checkouts, alternated
@@ -24,6 +26,10 @@ Parts (`--parts`, comma-separated; default all), each in fresh subprocesses (ben
                  general protocol and by rank plans (one run: before and after), 70B with
                  Adam by rank plans at the largest, and a real 4-rank gloo save beside its
                  simulation
+    peers        ckptstore vs DCP vs torch_checkpointing on the same states (MoE with Adam at
+                 --peers-sizes tensors, --small-tensors 1 KiB tensors): full save, full load
+                 into the same structure, one tensor from a fresh process, metadata bytes;
+                 ratios ckptstore / peer (--peers picks the contestants)
 
 Prints progress as it goes, then rich tables and the targets (met / missed), and writes every
 raw number to --out (JSON) and the tables to <out>.md. `--source DIR` puts DIR first on the
@@ -44,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scale import collective, history, keys, manifest, many, report, small  # noqa: E402
+from scale import collective, history, keys, manifest, many, peers, report, small  # noqa: E402
 from scale.common import (  # noqa: E402
     REPO,
     Ctx,
@@ -54,7 +60,7 @@ from scale.common import (  # noqa: E402
     worker_main,
 )
 
-PARTS = ("manifest", "keys", "incremental", "small", "ls", "many", "collective")
+PARTS = ("manifest", "keys", "incremental", "small", "ls", "many", "collective", "peers")
 DEFAULT_OUT = REPO / "bench" / "results" / "scale.json"
 
 
@@ -90,6 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="checkpoints in the repository, many part (default 10,500)")
     p.add_argument("--ranks", type=_ints, default=[8, 64, 512, 4096],
                    help="simulated world sizes of the collective part (default 8,64,512,4096)")
+    p.add_argument("--peers-sizes", type=_ints, default=[20000, 200000],
+                   help="MoE tensor counts of the peers part (default 20000,200000)")
+    p.add_argument("--peers", default=",".join(peers.CONTESTANTS),
+                   help="contestants of the peers part (default all: "
+                        f"{','.join(peers.CONTESTANTS)})")
     p.add_argument("--reps", type=int, default=2, help="repetitions, best reported (2)")
     p.add_argument("--ls-reps", type=int, default=1,
                    help="repetitions of each command of the ls part (default 1: each takes "
@@ -115,6 +126,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [x for x in args.parts if x not in PARTS]
     if unknown:
         p.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+    args.peers = [x for x in args.peers.split(",") if x]
+    unknown = [x for x in args.peers if x not in peers.CONTESTANTS]
+    if unknown:
+        p.error(f"unknown peer(s) {unknown}; choose from {', '.join(peers.CONTESTANTS)}")
     if args.quick:
         args.reps = 1
         args.sizes = [1000, 5000]
@@ -124,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.small_tensors = 5000
         args.many_counts = [10, 50]
         args.ranks = [8, 64]
+        args.peers_sizes = [1000, 5000]
     args.ls_reps = min(args.ls_reps, args.reps)
     return args
 
@@ -154,6 +170,8 @@ def run_parts(args: argparse.Namespace, ctx: Ctx) -> dict[str, Any]:
             parts[part] = many.run(ctx, args.many_counts)
         elif part == "collective":
             parts[part] = collective.run(ctx, args.ranks)
+        elif part == "peers":
+            parts[part] = peers.run(ctx, args.peers_sizes, args.small_tensors, args.peers)
         seconds[part] = time.perf_counter() - t0
         ctx.note(f"    {part} done in {seconds[part]:.0f} s")
     return {"parts": parts, "part_seconds": seconds}

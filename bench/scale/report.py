@@ -161,6 +161,55 @@ def tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                         ["rank", "save", "agree + plan", "rows sent", "rows received",
                          "build", "gathered by rank 0", "commit + outcome", "save wall"],
                         rows))
+    if "peers" in parts:
+        out += _peers_tables(parts["peers"])
+    return out
+
+
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return ""
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.3f}" if x >= 0.01 else f"{x:.4f}"
+
+
+def _peers_tables(p: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The peers part: every contestant's figures, then ckptstore / peer."""
+    rows, ratios = [], []
+    for r in p["rows"]:
+        state = f"{r['shape']} {r['tensors']:,}"
+        if "error" in r:
+            rows.append([state, r["contestant"], f"FAILED: {r['error']}"] + [""] * 9)
+            continue
+        save = _s(r["save"]["best_s"])
+        if "fsync_after_s" in r:
+            save += f" (+fsync {_s(r['save']['best_s'] + r['fsync_after_s'])})"
+        f = r["partial"]
+        ok = r["load_verified"] and f["verified"]
+        rows.append([state, r["contestant"] + ("" if r.get("direct_io", True) else " *"),
+                     save, _s(r["load"]["best_s"]), _s(f["load_s"]), _s(f["import_s"]),
+                     _s(f["wall_s"]), _mib(f["maxrss"]), _mib(r["metadata_bytes"]),
+                     _mib(r["disk_bytes"]), _mib(r["_maxrss"]), "yes" if ok else "NO"])
+        q = r.get("ratios")
+        if q:
+            ratios.append([state, r["contestant"], _ratio(q["save"]), _ratio(q["load"]),
+                           _ratio(q["partial_load"]), _ratio(q["partial_wall"]),
+                           _ratio(q["partial_rss"]), _ratio(q["metadata"])])
+    for name, why in p.get("not_run", {}).items():
+        rows.append(["", name, f"not run: {why}"] + [""] * 9)
+    out = [("peers: the same states saved and loaded by each (fresh processes; best of reps, a "
+            f"measurement over {p.get('repeat_under_s', 20):.0f} s once; partial = one tensor "
+            "from a fresh process)",
+            ["state", "contestant", "save", "load (into)", "partial load", "its imports",
+             "partial wall", "partial RSS", "metadata", "on disk", "worker RSS", "verified"],
+            rows)]
+    if ratios:
+        out.append(("peers: ckptstore / peer (below 1: ckptstore takes less; torch_checkpointing"
+                    "'s save with the bench's fsync)",
+                    ["state", "peer", "save", "load (into)", "partial load", "partial wall",
+                     "partial RSS", "metadata bytes"], ratios))
+    if p.get("notes"):
+        out.append(("peers: notes (* = measured without O_DIRECT)", ["note"],
+                    [[n] for n in p["notes"]]))
     return out
 
 
