@@ -12,6 +12,11 @@ States (equal float32 tensors of about 43 MiB, plus small ones: biases, Adam ste
 * `frozen`: 90% of the weights frozen (a LoRA-like run); Adam moments for the trained 10%;
 * `frozen-w`: the same weights without optimizer state (what a weights-only state sends).
 
+Contestants: `http`, `http-4` (HTTPTransport, one stream and num_chunks=4), `pg`
+(PGTransport on gloo, receiving in place), `ours` (Transport as configured by default) and,
+for `full` only, `ours-huge` (Transport(huge_pages=True): the moments a receive creates are
+backed by transparent huge pages).
+
 The receiver is a replacement: a freshly built model (weights other than the sender's) and
 an optimizer without state, passed as destinations. Situations:
 * `none`: nothing to reuse; `local`: its near-tier repository holds the previous step (the
@@ -272,7 +277,7 @@ def sender_main(spec: dict[str, Any]) -> None:
 
     def transport(name: str) -> Any:
         if name not in transports:
-            if name == "ours":
+            if name.startswith("ours"):
                 transports[name] = Transport(TIMEOUT)
             elif name.startswith("http"):
                 transports[name] = HTTPTransport(TIMEOUT, num_chunks=int(name[5:] or 0))
@@ -283,7 +288,7 @@ def sender_main(spec: dict[str, Any]) -> None:
 
     def wire_bytes(name: str) -> int:
         """What the transport put on the wire for one heal of `state` (module docstring)."""
-        if name == "ours":
+        if name.startswith("ours"):
             served: int = transports[name].bytes_served
             return served
 
@@ -328,7 +333,7 @@ def sender_main(spec: dict[str, Any]) -> None:
                 paused.wait()
             name = cmd["transport"]
             current["transport"] = transport(name)
-            current["before"] = (int(transports[name].bytes_served) if name == "ours"
+            current["before"] = (int(transports[name].bytes_served) if name.startswith("ours")
                                  else transports[name]._pg.sent if name == "pg" else 0)
             send_line({"ready": True})
         elif cmd["cmd"] == "send":
@@ -400,8 +405,8 @@ def receiver_main(spec: dict[str, Any]) -> None:
         def into(dest: dict[str, Any] = dest) -> dict[str, Any]:
             return dest
 
-        if name == "ours":
-            t: Any = Transport(TIMEOUT, destinations=into,
+        if name.startswith("ours"):
+            t: Any = Transport(TIMEOUT, destinations=into, huge_pages=name == "ours-huge",
                                local=local_dir if situation == "local" else None)
         elif name.startswith("http"):
             t = HTTPTransport(TIMEOUT, num_chunks=int(name[5:] or 0))
@@ -417,7 +422,7 @@ def receiver_main(spec: dict[str, Any]) -> None:
         if lay["adam"]:
             dest["optim"] = got["optim"]
         seconds = time.monotonic() - t0
-        info = t.last_receive if name == "ours" else None
+        info = t.last_receive if name.startswith("ours") else None
         send_line({"seconds": seconds, "info": None if info is None else info.__dict__})
         ok = digests({"model": dest["model"], **({"optim": dest["optim"]} if lay["adam"]
                                                  else {})}) == cmd["expect"]
@@ -539,6 +544,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--states", default="full,full-w,frozen,frozen-w",
                     help="which states to run (comma separated)")
+    ap.add_argument("--transports", default="http,http-4,pg,ours,ours-huge",
+                    help="which contestants to run (comma separated; a quicker iteration)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -554,24 +561,30 @@ def main() -> None:
         g = args.gib
         contestants = [*torchft_all, "ours"]
         plans = {
-            "full": [(t, "none", "idle") for t in contestants] + [("ours", "local", "idle")]
+            "full": [(t, "none", "idle") for t in contestants] + [("ours", "local", "idle"),
+                                                                  ("ours-huge", "none", "idle")]
             + [(t, "none", "busy") for t in contestants],
             "full-w": [(t, "none", "idle") for t in contestants],
             "frozen": [("pg", "in place", "idle"), ("ours", "in place", "idle"),
                        ("ours", "local", "idle")],
             "frozen-w": [("ours", "in place", "idle")],
         }
+        chosen = set(args.transports.split(","))
         for kind in args.states.split(","):
-            results += run_state(kind, g, plans[kind], args.reps if kind != "frozen-w" else 1,
-                                 tmp)
+            plan = [p for p in plans[kind] if p[0] in chosen]
+            if plan:
+                results += run_state(kind, g, plan, args.reps if kind != "frozen-w" else 1,
+                                     tmp)
         if not args.no_big and any(r["state"] == "full" for r in results):
             need = int(3.2 * args.big_gib * GiB)
             if mem_available() >= need:
                 full_1 = [r for r in results if r["state"] == "full" and r["sender"] == "idle"
                           and r["transport"] in torchft_all]
-                best = min(full_1, key=lambda r: r["heal_s"])["transport"]
-                results += run_state("full", args.big_gib, [(best, "none", "idle"),
-                                                            ("ours", "none", "idle")], 1, tmp)
+                big = [("ours", "none", "idle")] if "ours" in chosen else []
+                if full_1:
+                    best = min(full_1, key=lambda r: r["heal_s"])["transport"]
+                    big.insert(0, (best, "none", "idle"))
+                results += run_state("full", args.big_gib, big, 1, tmp)
             else:
                 skipped = (f"{args.big_gib:g} GiB skipped: {mem_available() / GiB:.1f} GiB "
                            f"available, {need / GiB:.1f} needed")
@@ -592,7 +605,8 @@ def main() -> None:
                 and r["situation"] == "none"]
         for mode in ("idle", "busy"):
             ours = [r for r in full if r["transport"] == "ours" and r["sender"] == mode]
-            theirs = [r for r in full if r["transport"] != "ours" and r["sender"] == mode]
+            huge = [r for r in full if r["transport"] == "ours-huge" and r["sender"] == mode]
+            theirs = [r for r in full if r["transport"] in torchft_all and r["sender"] == mode]
             if not ours or not theirs:
                 continue
             best = min(theirs, key=lambda r: r["heal_s"])
@@ -602,6 +616,9 @@ def main() -> None:
                 "speedup_vs_best_torchft": best["heal_s"] / ours[0]["heal_s"],
                 "speedup_vs_best_torchft_min": min(r["heal_min_s"] for r in theirs)
                 / ours[0]["heal_min_s"]}
+            if huge:
+                entry["heal_ours_huge_pages_s"] = huge[0]["heal_s"]
+                entry["speedup_huge_pages_vs_best_torchft"] = best["heal_s"] / huge[0]["heal_s"]
             if mode == "busy":
                 entry["stall_ours_s"] = ours[0]["stall_s"]
                 entry["stall_torchft_s"] = {r["transport"]: r["stall_s"] for r in theirs}

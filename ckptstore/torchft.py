@@ -96,6 +96,8 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
     * `chunk_bytes`: row-block size of a published step (CheckpointStore's default, so its
       saves share digests with the published chunks); `hash`: "xxh3-128" or "sha256-128";
     * `retries`: how often a chunk that fails its digest is fetched again;
+    * `huge_pages`: back the tensors a receive creates with transparent huge pages (one page
+      fault per 2 MiB instead of 512; healing/memory.py says when that pays);
     * `serve_hook`: called for every blob body the server sends (tests: corruption, delays).
     """
 
@@ -103,7 +105,7 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
                  local: Any = None, host: str = "127.0.0.1", port: int = 0,
                  workers: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  hash: str = "xxh3-128", retries: int = 2, hash_workers: int = 2,
-                 serve_hook: ServeHook | None = None) -> None:
+                 huge_pages: bool = False, serve_hook: ServeHook | None = None) -> None:
         self._timeout = _seconds(timeout, "timeout")
         if destinations is not None and not callable(destinations):
             raise TypeError("destinations must be a callable returning the state to receive "
@@ -131,6 +133,7 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         self._chunk_bytes = chunk_bytes
         self._retries = retries
         self._hash_workers = hash_workers
+        self._huge_pages = bool(huge_pages)
         self._send_lock = threading.Lock()
         self._server = HealServer(host, port, self._timeout, serve_hook)
         self._closed = False
@@ -183,7 +186,8 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         address = parse_address(metadata)
         receive = Receive(address, int(step), seconds, algorithm=self._algorithm,
                           destinations=self._destinations, local=self._local_chunks(),
-                          workers=self._workers, retries=self._retries)
+                          workers=self._workers, retries=self._retries,
+                          huge_pages=self._huge_pages)
         state, info = receive.run()
         self.last_receive = info
         log.info("live heal: step %d from rank %d in %.2f s: %d bytes from the sender, %d in "

@@ -66,6 +66,24 @@ def new_hasher() -> xxhash.xxh3_128:
     return xxhash.xxh3_128()
 
 
+class StreamingDigest:
+    """`algorithm`'s digest fed piece by piece: `update()` with consecutive pieces, then
+    `digest()` equals `algorithm.digest` of the pieces joined."""
+
+    def __init__(self, algorithm: HashAlgorithm) -> None:
+        self._truncate = algorithm.name == SHA256_128.name
+        if not self._truncate and algorithm.name != XXH3_128.name:
+            raise FormatError(f"no streaming form of {algorithm.name!r}")
+        self._h: Any = hashlib.sha256() if self._truncate else xxhash.xxh3_128()
+
+    def update(self, data: Buffer) -> None:
+        self._h.update(data)
+
+    def digest(self) -> str:
+        out: str = self._h.hexdigest()
+        return out[:32] if self._truncate else out
+
+
 def is_digest(value: object) -> bool:
     return isinstance(value, str) and _DIGEST_RE.fullmatch(value) is not None
 

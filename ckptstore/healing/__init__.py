@@ -8,6 +8,7 @@ chunk, every byte verified against its digest (torchft's CheckpointTransport is
     server.py     the sender's threaded HTTP server: serving, draining, what it has sent
     client.py     HTTP/1.1 requests with a deadline, bodies read into caller buffers
     receive.py    the receiver: index, destinations, local copies, parallel verified fetches
+    memory.py     new tensors backed ahead of the transfer (and huge pages, opt-in)
 
 Nothing here pickles; the wire format is docs/format.md's manifest (docs/recovery.md, "Live
 healing (torchft)")."""

@@ -15,7 +15,9 @@ Where a chunk comes from, in order:
 Every chunk is checked against the digest in the index before it lands in a tensor the caller
 holds: into a destination it is read into a scratch buffer, verified, then copied; a tensor
 created by this receive (returned only if the whole receive succeeds) is filled directly and
-verified there. A chunk that fails its digest is fetched again (`retries` times), then the
+verified there. A whole chunk is hashed piece by piece as it arrives; the memory of new
+tensors is backed ahead of the transfer by a thread of its own where a spare core allows
+(memory.py). A chunk that fails its digest is fetched again (`retries` times), then the
 receive fails with IntegrityError and no destination received it. The index itself is a
 sealed manifest, parsed and checked like any checkpoint's.
 
@@ -43,7 +45,7 @@ from ..errors import (
 )
 from ..format import tree as tree_mod
 from ..format.codecs import Codec
-from ..format.hashing import HashAlgorithm, is_digest
+from ..format.hashing import HashAlgorithm, StreamingDigest, is_digest
 from ..format.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest, TensorEntry
 from ..format.manifest_parse import parse_manifest
 from ..layout import blob_key
@@ -53,11 +55,22 @@ from ..stores.base import Store
 from . import dtensors
 from .client import Address, Broken, Connection, Deadline, Refused
 from .errors import HealError
+from .memory import advise_huge, populate
 from .snapshot import META_KEY, WIRE_VERSION, checkpoint_name
 
 log = logging.getLogger("ckptstore.healing")
 MERGE_GAP = 64 * 1024  # pack members this close share one ranged GET
 LOCAL_THREADS = 2
+
+
+def _spare_core() -> bool:
+    """Whether this process may run on more than one core (a thread backing new memory
+    ahead of the transfer then takes its page faults beside the receiving threads; on one
+    core it would only take turns with them)."""
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return (os.cpu_count() or 1) > 1
 
 
 def default_workers() -> int:
@@ -331,8 +344,9 @@ class Receive:
 
     def __init__(self, address: Address, step: int, timeout: float, *, algorithm: HashAlgorithm,
                  destinations: Callable[[], Any] | None, local: LocalChunks | None,
-                 workers: int, retries: int) -> None:
+                 workers: int, retries: int, huge_pages: bool = False) -> None:
         self.address = address
+        self.huge_pages = huge_pages
         self.step = step
         self.deadline = Deadline(timeout)
         self.algorithm = algorithm
@@ -452,6 +466,8 @@ class Receive:
             if fin is not None:
                 finishers.append(fin)
             live = dest is not None and fin is None
+            if not live and self.huge_pages:  # memory this receive created, untouched
+                advise_huge(buf)
             row = entry.row_bytes if entry.shape else entry.dtype.itemsize
             for c, ref in enumerate(entry.chunks):
                 lo = c * entry.chunk_rows * row if entry.shape else 0
@@ -514,10 +530,26 @@ class Receive:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 work.fail(exc)
 
+        # the new tensors the sender fills, in the order the connections will take them
+        fresh: list[np.ndarray] = []
+        for it in reversed(work.items):
+            if len(it.members) == 1 and it.whole:  # _get receives these in place
+                out = next((p.out for p in it.members[0][1].pieces if not p.live), None)
+                if out is not None and out.size:
+                    fresh.append(out)
+
+        def fault_worker() -> None:  # back them ahead of the transfer (memory.py)
+            for buf in fresh:
+                if work.failed is not None or self._stopped.is_set() or not populate(buf):
+                    return
+
         while len(conns) < self.workers:
             conns.append(Connection(self.address, self.deadline))
         threads = [threading.Thread(target=local_worker, name="ckpt-heal-local", daemon=True)
                    for _ in range(n_local)]
+        if fresh and _spare_core():
+            threads.append(threading.Thread(target=fault_worker, name="ckpt-heal-fault",
+                                            daemon=True))
         threads += [threading.Thread(target=net_worker, args=(c,), name="ckpt-heal-get",
                                      daemon=True) for c in conns]
         for t in threads:
@@ -583,9 +615,11 @@ class Receive:
             headers = {} if item.whole else {
                 "Range": f"bytes={item.start}-{item.start + item.length - 1}"}
             path = f"v1/{self.step}/{self.token}/blob/{item.blob}?t={self.transfer}"
+            # one chunk: hashed piece by piece as it arrives, while the piece is in the cache
+            hasher = StreamingDigest(self.algorithm) if len(item.members) == 1 else None
             try:
                 resp = conn.request("GET", path, self.what, headers)
-                conn.read_into(resp, view, self.what)
+                conn.read_into(resp, view, self.what, hasher)
             except Broken as exc:
                 if broken < 1 and self.deadline.left() > 0:
                     broken += 1
@@ -598,8 +632,12 @@ class Receive:
                 raise HealError(f"live heal of step {self.step} from {self.address.url} "
                                 f"failed mid-transfer: {exc.message}") from None
             self.counts.add(network=item.length)
-            bad = [g for off, g in item.members
-                   if self.algorithm.digest(view[off : off + g.nbytes]) != g.digest]
+            if hasher is not None:
+                g = item.members[0][1]
+                bad = [] if hasher.digest() == g.digest else [g]
+            else:
+                bad = [g for off, g in item.members
+                       if self.algorithm.digest(view[off : off + g.nbytes]) != g.digest]
             if not bad:
                 break
             if attempt >= self.retries:
