@@ -8,8 +8,8 @@ Every rank of `group` calls `save_by_rank_plans` with its own state; the steps, 
    this plan cannot describe (sharded along another dim than 0, or in several boxes: then
    every rank runs `distributed.save_collective`, the plan over every rank's description);
    a 62-bit digest of the state's structure (keys, kinds, dtypes, global shapes, which
-   leaves are sharded and in how many copies) and its negation (the ranks agree iff max == -max(-digest)); and
-   "my placements differ from my cached plan's".
+   leaves are sharded and in how many copies) and its negation (the ranks agree iff
+   max == -max(-digest)); and "my placements differ from my cached plan's".
 2. plan: unless no rank's placements changed (the cached plan is used again, as DCP's plan
    caching), the gcd of every tensor's interior row boundaries is agreed by rounds of
    all_reduce(MIN) over one integer per tensor (`agree_gcds`); every rank derives the same
