@@ -124,3 +124,69 @@ def hsdp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str) 
         mgr.close()
         with open(os.path.join(out_dir, f"stats-{rank}.json"), "w") as f:
             json.dump({"written": written, "coordinate": list(mesh.get_coordinate())}, f)
+
+
+#: where crash_main SIGKILLs its rank during the 2nd save: after this rank's chunks are
+#: durable (before it sends their references), after it wrote the segments it builds (before
+#: it reports them), or (rank 0) after the tree blob is durable, before the root is created
+KILL_POINTS = ("written", "built", "before-root")
+
+
+def crash_main(rank: int, world: int, init_file: str, root: str, kill_rank: int,
+               point: str) -> None:
+    """One rank of a 3-rank job (a subprocess): saves step 1, then step 2 (values changed)
+    with rank `kill_rank` SIGKILLed at `point` (KILL_POINTS; "none": no kill and no step 1,
+    a new job after the crash). Prints "saved 1", then "saved 2" or "failed 2 <error>"."""
+    import signal
+
+    import torch.distributed as dist
+
+    import ckptstore
+    from ckptstore.training import rank_save
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    armed = [False]
+
+    def die() -> None:
+        if armed[0] and rank == kill_rank:
+            print("dying", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    real_outgoing, real_build = rank_save.outgoing, rank_save.build_segments
+
+    def outgoing(*args, **kwargs):
+        if point == "written":
+            die()
+        return real_outgoing(*args, **kwargs)
+
+    def build(*args, **kwargs):
+        built = real_build(*args, **kwargs)
+        if point == "built" and built:
+            die()
+        return built
+
+    rank_save.outgoing, rank_save.build_segments = outgoing, build
+    mgr = ckptstore.CheckpointManager(root, keep_last=5, chunk_bytes=16 * 1024)
+    if point == "before-root" and rank == kill_rank:
+        real_create = mgr.repo.store.create
+
+        def create(key, data, *args, **kwargs):
+            if key.startswith("checkpoints/"):
+                die()
+            return real_create(key, data, *args, **kwargs)
+
+        mgr.repo.store.create = create
+    if point != "none":  # "none": a new job after a crash, saving step 2 only
+        mgr.save(1, _state(rank, ROWS["uneven"], 0.0))
+        print("saved 1", flush=True)
+    armed[0] = True
+    try:
+        mgr.save(2, _state(rank, ROWS["uneven"], 5.0))
+        print("saved 2", flush=True)
+    except Exception as exc:  # the survivors: the collective fails, nothing is committed
+        print(f"failed 2 {type(exc).__name__}", flush=True)
+        os._exit(0)  # the group is broken: leave without its teardown
+    mgr.close()
+    dist.barrier()
+    dist.destroy_process_group()
