@@ -160,14 +160,26 @@ class TensorLayout:
     small: bool = False  # a sharded tensor of at most pack_threshold bytes: chunks packed
 
     def block(self) -> tuple[int, ...]:
-        if self.chunk_shape is not None:
-            return self.chunk_shape
-        return (self.chunk_rows, *self.shape[1:]) if self.shape else ()
+        return grid_block(self.shape, self.chunk_rows, self.chunk_shape)
 
     def region(self, c: int) -> tuple[tuple[int, int], ...]:
-        if self.packed:
-            return tuple((0, n) for n in self.shape)
-        return chunk_region(self.shape, self.block(), c)
+        return grid_region(self.shape, self.chunk_rows, self.chunk_shape, self.packed, c)
+
+
+def grid_block(shape: tuple[int, ...], chunk_rows: int, chunk_shape: tuple[int, ...] | None
+               ) -> tuple[int, ...]:
+    """The extent of one chunk of a grid: `chunk_shape`, or `chunk_rows` whole rows."""
+    if chunk_shape is not None:
+        return chunk_shape
+    return (chunk_rows, *shape[1:]) if shape else ()
+
+
+def grid_region(shape: tuple[int, ...], chunk_rows: int, chunk_shape: tuple[int, ...] | None,
+                packed: bool, c: int) -> tuple[tuple[int, int], ...]:
+    """[start, stop) per dim of chunk `c` of a grid (a packed tensor is one chunk)."""
+    if packed:
+        return tuple((0, n) for n in shape)
+    return chunk_region(shape, grid_block(shape, chunk_rows, chunk_shape), c)
 
 
 def _regions(descs: list[list[dict[str, Any]]], i: int) -> list[list[Box]]:

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 from ..format.dtypes import DType
 from ..format.leaf import ArrayLeaf
-from ..format.manifest import chunk_region, expected_chunk_count
+from ..format.manifest import expected_chunk_count
 from ..format.segment_encoding import cut_counts
 from .options import SaveOptions
-from .planning import grid_of, rows_per_chunk
+from .planning import grid_block, grid_of, grid_region, rows_per_chunk
 
 #: `rows_of` of a leaf held whole
 WHOLE = None
@@ -110,14 +110,10 @@ class Grid:
     chunks: int
 
     def block(self) -> tuple[int, ...]:
-        if self.chunk_shape is not None:
-            return self.chunk_shape
-        return (self.chunk_rows, *self.shape[1:]) if self.shape else ()
+        return grid_block(self.shape, self.chunk_rows, self.chunk_shape)
 
     def region(self, c: int) -> tuple[tuple[int, int], ...]:
-        if self.packed:
-            return tuple((0, n) for n in self.shape)
-        return chunk_region(self.shape, self.block(), c)
+        return grid_region(self.shape, self.chunk_rows, self.chunk_shape, self.packed, c)
 
     def chunk_bytes(self, c: int, itemsize: int) -> int:
         return math.prod(hi - lo for lo, hi in self.region(c)) * itemsize

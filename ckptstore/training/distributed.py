@@ -44,7 +44,7 @@ from ..format.regions import Runs, block_runs, boxes
 from ..format.segments import version_for
 from ..pipeline.commit import SaveRequest
 from ..pipeline.options import SaveInfo
-from ..pipeline.planning import LeafPlan, TensorLayout, plan_collective
+from ..pipeline.planning import TensorLayout, plan_collective
 from ..pipeline.writer import CheckpointWriter, KnownChunks, storage_refs
 from . import rank_save
 from .collectives import all_gather_json as all_gather_json
@@ -148,34 +148,21 @@ def save_collective(writer: CheckpointWriter, request: SaveRequest, group: Any
 
 def _write_owned(writer: CheckpointWriter, leaves: list[ArrayLeaf],
                  layouts: list[TensorLayout], rank: int) -> dict[tuple[int, int], ChunkRef]:
-    """Write the chunks `layouts` give this rank: {(leaf, global chunk): ref}. Each owned
-    chunk of a row-block or grid tensor is handed to the writer as a leaf of its own (a view
-    of the local tensor: no copy unless the block is strided), so the writer's jobs, budget
-    and overlapped staging apply unchanged."""
-    parts: list[ArrayLeaf] = []
-    plans: list[LeafPlan] = []
-    where: list[tuple[int, int]] = []  # parts[j] is chunk where[j][1] of leaf where[j][0]
+    """Write the chunks `layouts` give this rank: {(leaf, global chunk): ref}."""
+    out = rank_save.ChunkParts()
     for i, (leaf, lay) in enumerate(zip(leaves, layouts)):
         mine = [c for c, k in enumerate(lay.owners) if k == rank]
         if not mine:
             continue
         if lay.packed or not lay.shape:
-            parts.append(leaf)
-            plans.append(LeafPlan(lay.chunk_rows, packed=lay.packed))
-            where.append((i, 0))
+            out.whole(i, leaf, lay.chunk_rows, lay.packed)
             continue
         my_boxes = boxes(_leaf_runs(leaf))
         for c in mine:
             region = lay.region(c)
             box = next(b for b in my_boxes if b.contains(region))
-            view = leaf.array[tuple(slice(lo - s + loc, hi - s + loc) for (lo, hi), s, loc
-                                    in zip(region, box.start, box.local))]
-            parts.append(leaf.with_array(view))
-            # the chunks of small sharded tensors (FSDP-sharded norms, biases) share blobs
-            plans.append(LeafPlan(max(1, region[0][1] - region[0][0]), packed=lay.small))
-            where.append((i, c))
-    refs = writer.write_blobs(parts, plans, leaf_of=[i for i, _c in where])
-    return {where[j]: ref for (j, _zero), ref in refs.items()}
+            out.chunk(i, c, leaf, region, box.start, box.local, lay.small)
+    return out.write(writer)
 
 
 def _leaf_runs(leaf: ArrayLeaf) -> Runs:

@@ -220,38 +220,59 @@ def plan_rank(leaves: list[ArrayLeaf], rows: list[tuple[int, int] | None], gcds:
     return RankPlan(signature, geos, grids, tuple(segment_spans(geos, grids)), mine)
 
 
+class ChunkParts:
+    """The chunks one rank writes in a collective save, each handed to the writer as a leaf
+    of its own (a view of the local array: no copy unless strided), so that the writer's
+    jobs, budget and overlapped staging apply unchanged. `write` returns
+    {(tensor, global chunk): ref}."""
+
+    def __init__(self) -> None:
+        self.parts: list[ArrayLeaf] = []
+        self.plans: list[LeafPlan] = []
+        #: parts[j] is chunk where[j][1] of tensor where[j][0]
+        self.where: list[tuple[int, int]] = []
+
+    def whole(self, i: int, leaf: ArrayLeaf, chunk_rows: int, packed: bool) -> None:
+        """Tensor `i` as its one chunk (packed small tensors, 0-d tensors)."""
+        self.parts.append(leaf)
+        self.plans.append(LeafPlan(chunk_rows, packed=packed))
+        self.where.append((i, 0))
+
+    def chunk(self, i: int, c: int, leaf: ArrayLeaf, region: tuple[tuple[int, int], ...],
+              start: tuple[int, ...], local: tuple[int, ...], small: bool) -> None:
+        """Chunk `c` of tensor `i`: the global `region` of a local array holding global
+        indexes `start`... at local indexes `local`...; the chunks of small sharded tensors
+        (FSDP-sharded norms, biases) are packed together."""
+        view = leaf.array[tuple(slice(lo - s + loc, hi - s + loc) for (lo, hi), s, loc
+                                in zip(region, start, local))]
+        self.parts.append(leaf.with_array(view))
+        self.plans.append(LeafPlan(max(1, region[0][1] - region[0][0]), packed=small))
+        self.where.append((i, c))
+
+    def write(self, writer: CheckpointWriter) -> dict[tuple[int, int], ChunkRef]:
+        refs = writer.write_blobs(self.parts, self.plans, leaf_of=[i for i, _c in self.where])
+        return {self.where[j]: ref for (j, _zero), ref in refs.items()}
+
+
 def _write_mine(writer: CheckpointWriter, leaves: list[ArrayLeaf],
                 rows: list[tuple[int, int] | None], plan: RankPlan
                 ) -> dict[tuple[int, int], ChunkRef]:
-    """Write the chunks the plan gives this rank: {(tensor, chunk): ref}. Each chunk of a
-    tensor in row blocks is handed to the writer as a leaf of its own (a view: no copy), so
-    its jobs, budget and overlapped staging apply unchanged."""
-    parts: list[ArrayLeaf] = []
-    plans: list[LeafPlan] = []
-    where: list[tuple[int, int]] = []
+    """Write the chunks the plan gives this rank: {(tensor, chunk): ref}."""
+    out = ChunkParts()
     for i, (leaf, r, g) in enumerate(zip(leaves, rows, plan.grids)):
         if r is None:
             owned = plan.mine.get(i, [])
-            if not owned:
-                continue
-            if g.packed or not g.shape:
-                parts.append(leaf)
-                plans.append(LeafPlan(g.chunk_rows, packed=g.packed))
-                where.append((i, 0))
+            if owned and (g.packed or not g.shape):
+                out.whole(i, leaf, g.chunk_rows, g.packed)
                 continue
             start = 0
         else:
             owned = [c for c in g.chunks_in_rows(r) if copy_writes(i, c, leaf.replica)]
             start = r[0]
+        offset = (start,) + (0,) * (len(g.shape) - 1) if g.shape else ()
         for c in owned:
-            region = g.region(c)
-            view = leaf.array[tuple(slice(lo - s, hi - s) for (lo, hi), s
-                                    in zip(region, (start,) + (0,) * (len(region) - 1)))]
-            parts.append(leaf.with_array(view))
-            plans.append(LeafPlan(max(1, region[0][1] - region[0][0]), packed=g.small))
-            where.append((i, c))
-    refs = writer.write_blobs(parts, plans, leaf_of=[i for i, _c in where])
-    return {where[j]: ref for (j, _zero), ref in refs.items()}
+            out.chunk(i, c, leaf, g.region(c), offset, (0,) * len(offset), g.small)
+    return out.write(writer)
 
 
 def _rows_for(refs: dict[tuple[int, int], ChunkRef]) -> np.ndarray:
