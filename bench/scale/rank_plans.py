@@ -9,7 +9,7 @@ over every rank's rows and handed to each simulated rank; the all_reduce itself 
 
 What is run, as each rank runs it, and timed (seconds of one call in this process):
 
-1. local: for ranks 0, 1, W/2 and W-1: `rows_of` of every leaf, the structure digest, the
+1. local: for ranks 0, 1, W/2 and W-1: `box_of` of every leaf, the structure digest, the
    plan signature and the local gcds (what a rank computes before the first all_reduce),
    then `plan_rank` (grids, segments, replicated owners), then `outgoing` over this rank's
    chunk references (synthesized: one `ChunkRef` with a distinct fake digest per chunk it
@@ -46,18 +46,19 @@ from .collective import _params, _rank0_state, _rank_leaves
 from .states import shard_rows
 
 
-def _gcds(params: list[tuple[str, tuple[int, ...], bool]], world: int) -> list[int]:
-    """What agree_gcds returns on every rank: per tensor, the gcd of every rank's interior
-    row boundaries."""
-    from ckptstore.pipeline.rank_planning import interior_gcd
+def _gcds(params: list[tuple[str, tuple[int, ...], bool]], world: int) -> list[list[int]]:
+    """What agree_gcds returns on every rank, per tensor and dimension: the gcd of every
+    rank's interior box ends."""
+    from ckptstore.pipeline.rank_planning import interior_gcds
 
     out = []
     for _key, shape, sharded in params:
-        g = 0
+        g = [0] * len(shape)
         if sharded:
             for rank in range(world):
                 start, count = shard_rows(shape[0], world, rank)
-                g = math.gcd(g, interior_gcd((start, start + count), shape[0]))
+                box = ((start, start + count), *((0, n) for n in shape[1:]))
+                g = [math.gcd(a, b) for a, b in zip(g, interior_gcds(box, shape))]
         out.append(g)
     return out
 
@@ -94,12 +95,13 @@ def _rows_of_segment(span: range, plan: Any, itemsize: list[int]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=ROW)
 
 
-def _my_refs(plan: Any, rows: list[Any], itemsize: list[int]) -> dict[tuple[int, int], Any]:
+def _my_refs(plan: Any, boxes: list[Any], itemsize: list[int]
+             ) -> dict[tuple[int, int], Any]:
     from ckptstore.format.manifest import ChunkRef
 
     out = {}
-    for i, (r, g) in enumerate(zip(rows, plan.grids)):
-        mine = plan.mine.get(i, []) if r is None else g.chunks_in_rows(r)
+    for i, (b, g) in enumerate(zip(boxes, plan.grids)):
+        mine = plan.mine.get(i, []) if b is None else g.chunks_in_box(b)
         for c in mine:
             digest = f"{i:016x}{c:016x}"
             n = g.chunk_bytes(c, itemsize[i])
@@ -115,7 +117,7 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
     from ckptstore.layout import manifest_key, segments_in
     from ckptstore.pipeline.commit import SaveRequest
     from ckptstore.pipeline.options import SaveOptions
-    from ckptstore.pipeline.rank_planning import builder_of, interior_gcd, rows_of
+    from ckptstore.pipeline.rank_planning import box_of, builder_of
     from ckptstore.pipeline.writer import CheckpointWriter, KnownChunks
     from ckptstore.stores import open_store
     from ckptstore.training import rank_save as rs
@@ -138,16 +140,14 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
     for rank in sorted({0, 1, world // 2, world - 1} & set(range(world))):
         leaves = _rank_leaves(leaves0, params, world, rank)
         t0 = time.perf_counter()
-        rows = [rows_of(leaf) for leaf in leaves]
+        boxes = [box_of(leaf) for leaf in leaves]
         structure = rs._structure(leaves)
-        signature = rs._signature(structure, rows, world, rank, writer)
-        _local = [interior_gcd(r, int(leaf.global_shape[0]))
-                  if r is not None and leaf.global_shape else 0
-                  for leaf, r in zip(leaves, rows)]
+        signature = rs._signature(structure, boxes, world, rank, writer)
+        _local = rs.local_gcds(leaves, boxes)
         t1 = time.perf_counter()
-        plan = rs.plan_rank(leaves, rows, gcds, signature, writer, rank, world)
+        plan = rs.plan_rank(leaves, boxes, gcds, signature, writer, rank, world)
         t2 = time.perf_counter()
-        refs = _my_refs(plan, rows, itemsize)
+        refs = _my_refs(plan, boxes, itemsize)
         t3 = time.perf_counter()
         sent = rs.outgoing(refs, plan, world)
         t4 = time.perf_counter()

@@ -3,25 +3,24 @@
 
 The plan of `planning.plan_collective` needs every rank's description of every tensor, so
 each rank receives and plans over ranks x tensors. This plan needs, per tensor, only the
-global geometry every rank already shares and one number agreed by a reduction over the
-ranks (`rows_gcd`): the gcd of the interior row boundaries of every rank's shard. From it
-each rank derives the same chunk grid (`planning.grid_of`, the grid `plan_collective` would
-choose for the same shards) and knows the chunks it writes without knowing who writes the
-rest:
+global geometry every rank already shares and one number per dimension agreed by a
+reduction over the ranks: the gcd of the interior ends of every rank's box on that
+dimension. From them each rank derives the same chunk grid (`planning.grid_of`, the grid
+`plan_collective` would choose for the same shards) and knows the chunks it writes without
+knowing who writes the rest:
 
 - a tensor that every rank holds whole (replicated: DDP weights, Adam's `step`): its chunks
   go, largest first, to the rank with the fewest bytes so far (`replicated_owners`, the same
   on every rank: the inputs are the shared geometry only);
-- a tensor that ranks hold in row ranges (a `Shard`, an FSDP-style DTensor, HSDP's
-  Replicate x Shard(0) mesh): each rank writes the chunks inside its rows; where R ranks
-  hold the same rows as copies of one another (`ArrayLeaf.replica`: a DTensor's Replicate
-  mesh dims), copy k writes the chunks c with (tensor + c) % R == k (`copy_writes`). Ranks
-  holding the same rows without saying so (overlapping `Shard`s) all write them; the segment
-  builder keeps one copy and refuses copies that differ.
+- a tensor that ranks hold in boxes (a `Shard`'s rows, a DTensor with Shard(d) on any mesh
+  dims: FSDP, tensor parallelism, HSDP): each rank writes the chunks inside its box; where R
+  ranks hold the same box as copies of one another (`ArrayLeaf.replica`: a DTensor's
+  Replicate mesh dims), copy k writes the chunks c with (tensor + c) % R == k
+  (`copy_writes`). Ranks holding the same elements without saying so (overlapping `Shard`s)
+  all write them; the segment builder keeps one copy and refuses copies that differ.
 
-Which states qualify (`rows_of`): every array leaf whole, or a row range of dim 0. Shards
-along other dims or several boxes per rank (tensor parallelism, 2-D meshes) use
-`plan_collective`.
+Which states qualify (`box_of`): every array leaf whole, or one box per rank. Strided shards
+(FSDP2 over tensor parallelism: several boxes per rank) use `plan_collective`.
 
 The entries are built per index segment (`segment_spans`: the same cut a single-process
 save makes) by one rank each (`builder_of`), from the chunk references the writers send it.
@@ -30,6 +29,7 @@ save makes) by one rank each (`builder_of`), from the chunk references the write
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,17 +41,21 @@ from ..format.segment_encoding import cut_counts
 from .options import SaveOptions
 from .planning import grid_block, grid_of, grid_region, rows_per_chunk
 
-#: `rows_of` of a leaf held whole
+#: `box_of` of a leaf held whole
 WHOLE = None
+
+#: [start, stop) per dimension of the part of a tensor one rank holds
+Box = tuple[tuple[int, int], ...]
 
 
 class Unplannable(Exception):
-    """A leaf this plan cannot describe (sharded along another dim, or several boxes)."""
+    """A leaf this plan cannot describe (held in several boxes: strided shards)."""
 
 
-def rows_of(leaf: ArrayLeaf) -> tuple[int, int] | None:
-    """The global rows [start, stop) of dim 0 this rank holds of `leaf`, or WHOLE. Raises
-    Unplannable for a leaf sharded otherwise."""
+def box_of(leaf: ArrayLeaf) -> Box | None:
+    """The global [start, stop) per dimension this rank holds of `leaf`, or WHOLE. Raises
+    Unplannable for a leaf held in several boxes (FSDP2's strided shards over tensor
+    parallelism)."""
     if not leaf.is_partial:
         return WHOLE
     shape = tuple(int(n) for n in leaf.array.shape)
@@ -60,27 +64,25 @@ def rows_of(leaf: ArrayLeaf) -> tuple[int, int] | None:
         raise Unplannable(leaf.key)
     if leaf.region_runs is None:
         start = leaf.row_offset
-        return (start, start + shape[0])
+        return ((start, start + shape[0]), *((0, n) for n in gshape[1:]))
     runs = leaf.region_runs
-    if not all(len(dim) == 1 for dim in runs):
-        if any(len(dim) == 0 for dim in runs):  # holds no element
-            return (0, 0)
+    if any(len(dim) == 0 for dim in runs):  # holds no element
+        return tuple((0, 0) for _n in gshape)
+    if not all(len(dim) == 1 and dim[0][0] == 0 for dim in runs):
         raise Unplannable(leaf.key)
-    for d, ((local, start, n), full) in enumerate(zip((dim[0] for dim in runs), gshape)):
-        if local != 0 or (d > 0 and (start != 0 or n != full)):
-            raise Unplannable(leaf.key)
-    return (runs[0][0][1], runs[0][0][1] + runs[0][0][2])
+    return tuple((start, start + n) for ((_local, start, n),) in runs)
 
 
-def interior_gcd(rows: tuple[int, int] | None, n: int) -> int:
-    """The gcd of the row boundaries of `rows` strictly inside [0, n) (0: none)."""
-    if rows is None:
-        return 0
-    g = 0
-    for x in rows:
-        if 0 < x < n:
-            g = math.gcd(g, x)
-    return g
+def interior_gcds(box: Box | None, shape: tuple[int, ...]) -> list[int]:
+    """Per dimension, the gcd of the ends of `box` strictly inside [0, n) (0: none)."""
+    out = []
+    for d, n in enumerate(shape):
+        g = 0
+        for x in box[d] if box is not None else ():
+            if 0 < x < n:
+                g = math.gcd(g, x)
+        out.append(g)
+    return out
 
 
 @dataclass(frozen=True)
@@ -118,19 +120,22 @@ class Grid:
     def chunk_bytes(self, c: int, itemsize: int) -> int:
         return math.prod(hi - lo for lo, hi in self.region(c)) * itemsize
 
-    def chunks_in_rows(self, rows: tuple[int, int]) -> Iterator[int]:
-        """The chunks lying inside global rows `rows` (whose ends fall on chunk boundaries
-        of dim 0), in C order."""
-        start, stop = rows
-        if stop <= start or not self.chunks:
+    def chunks_in_box(self, box: Box) -> Iterator[int]:
+        """The chunks lying inside the global `box` (whose ends fall on chunk boundaries of
+        every dimension), in C order."""
+        if any(stop <= start for start, stop in box) or not self.chunks:
             return
         if not self.shape:
             yield 0
             return
         block = self.block()
-        per_row = math.prod(max(1, -(-n // c)) for n, c in zip(self.shape[1:], block[1:]))
-        first, last = start // block[0], -(-stop // block[0])
-        yield from range(first * per_row, min(self.chunks, last * per_row))
+        counts = [max(1, -(-n // c)) for n, c in zip(self.shape, block)]
+        spans = [range(start // c, -(-stop // c)) for (start, stop), c in zip(box, block)]
+        for pos in itertools.product(*spans):
+            index = 0
+            for p, g in zip(pos, counts):
+                index = index * g + p
+            yield index
 
 
 def copy_writes(tensor: int, chunk: int, replica: tuple[int, int]) -> bool:
@@ -139,9 +144,10 @@ def copy_writes(tensor: int, chunk: int, replica: tuple[int, int]) -> bool:
     return (tensor + chunk) % count == index
 
 
-def grid(geo: TensorGeometry, gcd: int, options: SaveOptions) -> Grid:
-    """The grid of one tensor from its geometry and the ranks' `rows_gcd` (as
-    `planning._layout` chooses it for the same shards)."""
+def grid(geo: TensorGeometry, gcds: list[int], options: SaveOptions) -> Grid:
+    """The grid of one tensor from its geometry and the gcd over the ranks of the interior
+    ends of their boxes on each dimension (as `planning._layout` chooses it for the same
+    shards)."""
     shape, itemsize = geo.shape, geo.dtype.itemsize
     nbytes = geo.nbytes
     if not geo.sharded and 0 < nbytes <= options.pack_threshold:
@@ -151,7 +157,7 @@ def grid(geo: TensorGeometry, gcd: int, options: SaveOptions) -> Grid:
     if nbytes == 0:
         return Grid(shape, rows_per_chunk(shape, itemsize, options.chunk_bytes), None, False,
                     False, 0)
-    rows, chunk_shape = grid_of(shape, itemsize, [gcd] + [0] * (len(shape) - 1), options)
+    rows, chunk_shape = grid_of(shape, itemsize, gcds, options)
     return Grid(shape, rows, chunk_shape, False,
                 geo.sharded and nbytes <= options.pack_threshold,
                 expected_chunk_count(shape, rows, itemsize, chunk_shape))

@@ -1,8 +1,8 @@
 """Multi-rank saves over torch.distributed, without pickle.
 
 A collective save starts with `rank_save.save_by_rank_plans`, whose per-rank costs do not grow
-with the world size; for states it cannot plan (a leaf sharded along another dim than 0 or in
-several boxes: tensor parallelism, 2-D meshes) every rank then runs `save_collective`, the
+with the world size; for states it cannot plan (a leaf held in several boxes per rank:
+FSDP2's strided shards over tensor parallelism) every rank then runs `save_collective`, the
 general protocol below, planned over every rank's description.
 
 Protocol of `save_collective` (every rank calls it with its own state):

@@ -5,15 +5,17 @@ saves in O(ranks)").
 Every rank of `group` calls `save_by_rank_plans` with its own state; the steps, in order:
 
 1. agree: one all_reduce(MAX) of five integers: a rank failed to prepare; a rank holds a leaf
-   this plan cannot describe (sharded along another dim than 0, or in several boxes: then
-   every rank runs `distributed.save_collective`, the plan over every rank's description);
+   this plan cannot describe (in several boxes: FSDP2's strided shards over tensor
+   parallelism; then every rank runs `distributed.save_collective`, the plan over every
+   rank's description);
    a 62-bit digest of the state's structure (keys, kinds, dtypes, global shapes, which
    leaves are sharded and in how many copies) and its negation (the ranks agree iff
    max == -max(-digest)); and "my placements differ from my cached plan's".
 2. plan: unless no rank's placements changed (the cached plan is used again, as DCP's plan
-   caching), the gcd of every tensor's interior row boundaries is agreed by rounds of
-   all_reduce(MIN) over one integer per tensor (`agree_gcds`); every rank derives the same
-   grids, index segments and owners of replicated chunks (pipeline/rank_planning.py).
+   caching), the gcd of the interior ends of the ranks' boxes is agreed, per dimension of
+   every tensor, by rounds of all_reduce(MIN) over one integer per dimension (`agree_gcds`);
+   every rank derives the same grids, index segments and owners of replicated chunks
+   (pipeline/rank_planning.py).
 3. write: each rank writes the chunks it owns, makes them durable, checks its overlapped
    sources and that the blobs it reuses still exist.
 4. exchange: each rank sends each segment's builder the references of its chunks there:
@@ -66,15 +68,16 @@ from ..layout import segments_in
 from ..pipeline.commit import SaveRequest
 from ..pipeline.planning import LeafPlan
 from ..pipeline.rank_planning import (
+    Box,
     Grid,
     TensorGeometry,
     Unplannable,
+    box_of,
     builder_of,
     copy_writes,
     grid,
-    interior_gcd,
+    interior_gcds,
     replicated_owners,
-    rows_of,
     segment_spans,
 )
 from ..pipeline.writer import CheckpointWriter, KnownChunks, storage_refs
@@ -183,12 +186,29 @@ def _structure(leaves: list[ArrayLeaf]) -> int:
     return h.intdigest() >> 2
 
 
-def _signature(structure: int, rows: list[tuple[int, int] | None], world: int, rank: int,
+def _signature(structure: int, boxes: list[Box | None], world: int, rank: int,
                writer: CheckpointWriter) -> int:
     o = writer.options
     return xxhash.xxh64_intdigest(canonical_json(
-        [structure, [None if r is None else list(r) for r in rows], world, rank,
+        [structure, [None if b is None else [list(d) for d in b] for b in boxes], world, rank,
          o.chunk_bytes, o.pack_threshold]))
+
+
+def local_gcds(leaves: list[ArrayLeaf], boxes: list[Box | None]) -> list[int]:
+    """`interior_gcds` of every leaf's box, flattened (one per dimension of each tensor):
+    what `agree_gcds` reduces."""
+    return [g for leaf, b in zip(leaves, boxes)
+            for g in interior_gcds(b, tuple(leaf.global_shape or leaf.array.shape))]
+
+
+def per_tensor(leaves: list[ArrayLeaf], flat: list[int]) -> list[list[int]]:
+    """`flat` (as `local_gcds` lays it out) cut back into one list per tensor."""
+    out, at = [], 0
+    for leaf in leaves:
+        n = len(leaf.global_shape or leaf.array.shape)
+        out.append(flat[at:at + n])
+        at += n
+    return out
 
 
 def agree_gcds(local: list[int], group: Any) -> list[int]:
@@ -207,11 +227,11 @@ def agree_gcds(local: list[int], group: Any) -> list[int]:
         low = again
 
 
-def plan_rank(leaves: list[ArrayLeaf], rows: list[tuple[int, int] | None], gcds: list[int],
+def plan_rank(leaves: list[ArrayLeaf], boxes: list[Box | None], gcds: list[list[int]],
               signature: int, writer: CheckpointWriter, rank: int, world: int) -> RankPlan:
     geos = tuple(TensorGeometry(leaf.key, leaf.dtype,
                                 tuple(leaf.global_shape or leaf.array.shape),
-                                r is not None) for leaf, r in zip(leaves, rows))
+                                b is not None) for leaf, b in zip(leaves, boxes))
     grids = tuple(grid(geo, g, writer.options) for geo, g in zip(geos, gcds))
     mine: dict[int, list[int]] = {}
     for (i, c), owner in replicated_owners(geos, grids, world).items():
@@ -255,23 +275,21 @@ class ChunkParts:
 
 
 def _write_mine(writer: CheckpointWriter, leaves: list[ArrayLeaf],
-                rows: list[tuple[int, int] | None], plan: RankPlan
-                ) -> dict[tuple[int, int], ChunkRef]:
+                boxes: list[Box | None], plan: RankPlan) -> dict[tuple[int, int], ChunkRef]:
     """Write the chunks the plan gives this rank: {(tensor, chunk): ref}."""
     out = ChunkParts()
-    for i, (leaf, r, g) in enumerate(zip(leaves, rows, plan.grids)):
-        if r is None:
+    for i, (leaf, b, g) in enumerate(zip(leaves, boxes, plan.grids)):
+        if b is None:
             owned = plan.mine.get(i, [])
             if owned and (g.packed or not g.shape):
                 out.whole(i, leaf, g.chunk_rows, g.packed)
                 continue
-            start = 0
+            start: tuple[int, ...] = (0,) * len(g.shape)
         else:
-            owned = [c for c in g.chunks_in_rows(r) if copy_writes(i, c, leaf.replica)]
-            start = r[0]
-        offset = (start,) + (0,) * (len(g.shape) - 1) if g.shape else ()
+            owned = [c for c in g.chunks_in_box(b) if copy_writes(i, c, leaf.replica)]
+            start = tuple(lo for lo, _hi in b)
         for c in owned:
-            out.chunk(i, c, leaf, g.region(c), offset, (0,) * len(offset), g.small)
+            out.chunk(i, c, leaf, g.region(c), start, (0,) * len(start), g.small)
     return out.write(writer)
 
 
@@ -322,7 +340,7 @@ def _build_segment(s: int, span: range, rows: np.ndarray, plan: RankPlan,
     first = np.ones(len(mine), dtype=bool)
     first[1:] = key[1:] != key[:-1]
     copies = ~first
-    if copies.any():  # the same chunk from ranks holding the same rows: must be the same
+    if copies.any():  # the same chunk from ranks holding the same elements: must be equal
         dup = np.flatnonzero(copies)
         differ = (mine["digest"][dup] != mine["digest"][dup - 1]).any(axis=1) | (
             mine["nbytes"][dup] != mine["nbytes"][dup - 1])
@@ -395,12 +413,12 @@ def save_by_rank_plans(writer: CheckpointWriter, request: SaveRequest, group: An
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     clock = StepClock()
     try:
-        rows = [rows_of(leaf) for leaf in leaves]
+        boxes = [box_of(leaf) for leaf in leaves]
         describable = True
     except Unplannable:
-        rows, describable = [], False
+        boxes, describable = [], False
     structure = _structure(leaves)
-    signature = _signature(structure, rows, world, rank, writer) if describable else 0
+    signature = _signature(structure, boxes, world, rank, writer) if describable else 0
     cached = memory.plan if memory.plan is not None and memory.plan.signature == signature \
         else None
     failed, odd, high, neg_low, changed = all_reduce_ints(
@@ -415,10 +433,8 @@ def save_by_rank_plans(writer: CheckpointWriter, request: SaveRequest, group: An
     # 2. plan (or the cached plan, if no rank's placements changed)
     clock.lap("agree")
     if changed or cached is None:
-        gcds = agree_gcds([interior_gcd(r, int(leaf.global_shape[0]))
-                           if r is not None and leaf.global_shape else 0
-                           for leaf, r in zip(leaves, rows)], group)
-        plan = plan_rank(leaves, rows, gcds, signature, writer, rank, world)
+        gcds = per_tensor(leaves, agree_gcds(local_gcds(leaves, boxes), group))
+        plan = plan_rank(leaves, boxes, gcds, signature, writer, rank, world)
     else:
         plan = cached
     memory.plan = plan
@@ -428,7 +444,7 @@ def save_by_rank_plans(writer: CheckpointWriter, request: SaveRequest, group: An
     error = None
     refs: dict[tuple[int, int], ChunkRef] = {}
     try:
-        refs = _write_mine(writer, leaves, rows, plan)
+        refs = _write_mine(writer, leaves, boxes, plan)
         writer.store.sync()
         writer.confirm_sources()  # this rank's last check of overlapped sources
         if writer.confirm_reused is not None:

@@ -22,7 +22,7 @@ from ckptstore.pipeline.rank_planning import (
     TensorGeometry,
     builder_of,
     grid,
-    interior_gcd,
+    interior_gcds,
     replicated_owners,
 )
 from tests import rank_save_worker
@@ -31,18 +31,18 @@ from tests.helpers import spawn_ranks
 
 def _descs(shapes, shards, world):
     """Descriptions (as training/distributed._describe makes them) of tensors `shapes`, each
-    whole on every rank (shards[i] None) or in the row ranges shards[i][rank]."""
+    whole on every rank (shards[i] None) or in the boxes shards[i][rank] ([start, stop) per
+    dimension)."""
     out = []
     for rank in range(world):
         d = []
         for i, shape in enumerate(shapes):
-            rows = shards[i]
-            if rows is None:
+            box = shards[i] and shards[i][rank]
+            if box is None:
                 runs, partial, local = block_runs((0,) * len(shape), shape), False, shape
             else:
-                a, b = rows[rank]
-                local = (b - a, *shape[1:])
-                runs, partial = block_runs((a,) + (0,) * (len(shape) - 1), local), True
+                local = tuple(b - a for a, b in box)
+                runs, partial = block_runs(tuple(a for a, _b in box), local), True
             d.append({"key": f"t{i}", "kind": "torch", "dtype": "float32", "shape": list(local),
                       "global": list(shape), "runs": [list(map(list, r)) for r in runs],
                       "partial": partial})
@@ -50,20 +50,37 @@ def _descs(shapes, shards, world):
     return out
 
 
-def _random_rows(rng: random.Random, n: int, world: int) -> list[tuple[int, int]]:
-    cuts = sorted(rng.randint(0, n) for _ in range(world - 1))
-    bounds = [0, *cuts, n]
-    return [(bounds[r], bounds[r + 1]) for r in range(world)]
+def _split(rng: random.Random, n: int, parts: int, even: bool) -> list[tuple[int, int]]:
+    """`parts` contiguous ranges covering [0, n): torch.chunk's split, or random cuts."""
+    if even:
+        per = -(-n // parts)
+        return [(min(n, r * per), min(n, (r + 1) * per)) for r in range(parts)]
+    bounds = [0, *sorted(rng.randint(0, n) for _ in range(parts - 1)), n]
+    return [(bounds[r], bounds[r + 1]) for r in range(parts)]
 
 
-@pytest.mark.parametrize("seed", range(30))
+def _boxes(rng: random.Random, shape: tuple[int, ...], world: int
+           ) -> list[tuple[tuple[int, int], ...]]:
+    """Each rank's box of a tensor sharded over a mesh of `world` ranks: dim 0 split over
+    the mesh (FSDP-like), or, for a 2-D tensor on a mesh of 2 x world/2, dim 0 over one mesh
+    dim and dim 1 over the other (tensor parallelism beside FSDP)."""
+    if len(shape) >= 2 and world % 2 == 0 and shape[1] > 1 and rng.random() < 0.5:
+        rows = _split(rng, shape[0], world // 2, rng.random() < 0.5)
+        cols = _split(rng, shape[1], 2, rng.random() < 0.5)
+        return [(rows[r // 2], cols[r % 2], *((0, n) for n in shape[2:]))
+                for r in range(world)]
+    rows = _split(rng, shape[0], world, rng.random() < 0.5)
+    return [(rows[r], *((0, n) for n in shape[1:])) for r in range(world)]
+
+
+@pytest.mark.parametrize("seed", range(40))
 def test_rank_plans_choose_the_general_planners_grid_and_cover_every_chunk_once(seed):
-    """For row shards (even, uneven, empty on some ranks) and replicated tensors of every
-    size class, the grid each rank derives from the agreed gcd is the one plan_collective
-    derives from every rank's description, and the chunks the ranks write cover every chunk
-    exactly once."""
+    """For boxes (row shards even, uneven and empty on some ranks; rows and columns on a 2-D
+    mesh) and replicated tensors of every size class, the grid each rank derives from the
+    agreed gcds is the one plan_collective derives from every rank's description, and the
+    chunks the ranks write cover every chunk exactly once, each inside its writer's box."""
     rng = random.Random(seed)
-    world = rng.choice([2, 3, 4, 7])
+    world = rng.choice([2, 3, 4, 6])
     options = SaveOptions(chunk_bytes=rng.choice([4096, 65536]), pack_threshold=2048)
     shapes, shards = [], []
     for _ in range(rng.randint(1, 8)):
@@ -73,20 +90,17 @@ def test_rank_plans_choose_the_general_planners_grid_and_cover_every_chunk_once(
             shape = shape if rng.random() < 0.8 else ()
             shards.append(None)
         else:
-            rows = (_random_rows(rng, shape[0], world) if rng.random() < 0.5 else
-                    [(min(shape[0], r * -(-shape[0] // world)),
-                      min(shape[0], (r + 1) * -(-shape[0] // world))) for r in range(world)])
-            shards.append(rows)
+            shards.append(_boxes(rng, shape, world))
         shapes.append(shape)
     layouts, _load = plan_collective(_descs(shapes, shards, world), options)
     f32 = by_name("float32")
     geos = [TensorGeometry(f"t{i}", f32, s, shards[i] is not None) for i, s in enumerate(shapes)]
     grids = []
     for i, (geo, lay) in enumerate(zip(geos, layouts)):
-        g = 0
-        for rows in shards[i] or []:
-            g = math.gcd(g, interior_gcd(rows, shapes[i][0]))
-        got = grid(geo, g, options)
+        gcds = [0] * len(shapes[i])
+        for box in shards[i] or []:
+            gcds = [math.gcd(a, b) for a, b in zip(gcds, interior_gcds(box, shapes[i]))]
+        got = grid(geo, gcds, options)
         assert (got.chunk_rows, got.chunk_shape, got.packed, got.small, got.chunks) == (
             lay.chunk_rows, lay.chunk_shape, lay.packed, lay.small, len(lay.owners)), (i, lay)
         grids.append(got)
@@ -95,13 +109,12 @@ def test_rank_plans_choose_the_general_planners_grid_and_cover_every_chunk_once(
         writers: dict[int, list[int]] = {c: [] for c in range(g.chunks)}
         for rank in range(world):
             mine = ([c for (j, c), r in owners.items() if j == i and r == rank]
-                    if shards[i] is None else list(g.chunks_in_rows(shards[i][rank])))
+                    if shards[i] is None else list(g.chunks_in_box(shards[i][rank])))
             for c in mine:
                 writers[c].append(rank)
-                if shards[i] is not None:  # a chunk lies inside the rows of its writer
-                    (lo, hi), *_rest = g.region(c)
-                    a, b = shards[i][rank]
-                    assert a <= lo and hi <= b
+                if shards[i] is not None:  # a chunk lies inside the box of its writer
+                    assert all(a <= lo and hi <= b for (lo, hi), (a, b)
+                               in zip(g.region(c), shards[i][rank]))
         assert all(len(w) == 1 for w in writers.values()), writers
 
 
