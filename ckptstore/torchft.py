@@ -57,7 +57,13 @@ from .healing.client import parse_address
 from .healing.errors import HealError, HealTimeoutError
 from .healing.receive import LocalChunks, Receive, ReceiveInfo, default_workers, open_local
 from .healing.server import HealServer, ServeHook
-from .healing.snapshot import DEFAULT_CHUNK_BYTES, PACK_THRESHOLD, build_snapshot
+from .healing.snapshot import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_DEVICE_SLOTS,
+    PACK_THRESHOLD,
+    build_snapshot,
+)
+from .healing.staging import Staging
 
 __all__ = ["HealError", "HealTimeoutError", "ReceiveInfo", "SendInfo", "Transport"]
 
@@ -73,6 +79,7 @@ class SendInfo:
     logical_bytes: int
     chunks: int
     seconds: float
+    device_bytes: int = 0  # of logical_bytes, those of tensors on a device (staged, not copied)
 
 
 def _seconds(timeout: timedelta, what: str) -> float:
@@ -98,14 +105,23 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
     * `retries`: how often a chunk that fails its digest is fetched again;
     * `huge_pages`: back the tensors a receive creates with transparent huge pages (one page
       fault per 2 MiB instead of 512; healing/memory.py says when that pays);
-    * `serve_hook`: called for every blob body the server sends (tests: corruption, delays).
+    * `serve_hook`: called for every blob body the server sends (tests: corruption, delays);
+    * `device_host_bytes`: the most host memory a sender's device tensors (CUDA) take at
+      once, in page-locked slots of `chunk_bytes` (default 4 slots: 64 MiB); they are hashed
+      and served through it, never copied to the host whole (docs/recovery.md, "Live
+      healing on GPUs");
+    * `device`: where a receive makes the tensors `destinations` lack ("cuda:0", a
+      torch.device; default: the device holding the destinations' tensors when they are all
+      on one, else host memory). Chunks reach device tensors verified, through page-locked
+      slots.
     """
 
     def __init__(self, timeout: timedelta, *, destinations: Callable[[], Any] | None = None,
                  local: Any = None, host: str = "127.0.0.1", port: int = 0,
                  workers: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  hash: str = "xxh3-128", retries: int = 2, hash_workers: int = 2,
-                 huge_pages: bool = False, serve_hook: ServeHook | None = None) -> None:
+                 huge_pages: bool = False, serve_hook: ServeHook | None = None,
+                 device_host_bytes: int | None = None, device: Any = None) -> None:
         self._timeout = _seconds(timeout, "timeout")
         if destinations is not None and not callable(destinations):
             raise TypeError("destinations must be a callable returning the state to receive "
@@ -125,6 +141,20 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
             raise ValueError(f"retries must be an int >= 0, got {retries!r}")
         if type(hash_workers) is not int or hash_workers < 1:
             raise ValueError(f"hash_workers must be a positive int, got {hash_workers!r}")
+        if device_host_bytes is not None and (type(device_host_bytes) is not int
+                                              or device_host_bytes < chunk_bytes):
+            raise ValueError(f"device_host_bytes must be an int >= chunk_bytes ({chunk_bytes}), "
+                             f"got {device_host_bytes!r}")
+        if device is not None:
+            from .format.torch_types import resolve_device
+
+            device = resolve_device(device)
+        self._device = device
+        #: the page-locked slots of device tensors: those the sender hashes and serves
+        #: through (bounded by device_host_bytes) and those a receive copies up from
+        self._send_staging = Staging(chunk_bytes, device_host_bytes
+                                     or DEFAULT_DEVICE_SLOTS * chunk_bytes)
+        self._recv_staging = Staging(chunk_bytes)
         self._algorithm = hash_algorithm(hash)
         self._destinations = destinations
         self._local = local
@@ -160,13 +190,14 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
             self._server.state.withdraw(self._timeout)  # the previous step, if still served
             try:
                 snap = build_snapshot(state_dict, int(step), chunk_bytes=self._chunk_bytes,
-                                      algorithm=self._algorithm, workers=self._hash_workers)
+                                      algorithm=self._algorithm, workers=self._hash_workers,
+                                      staging=self._send_staging)
             except Exception as exc:
                 self._server.state.publish_failure(int(step), f"{type(exc).__name__}: {exc}")
                 raise
             self._server.state.publish(snap)
             self.last_send = SendInfo(snap.step, snap.logical_bytes, len(snap.blobs),
-                                      snap.seconds)
+                                      snap.seconds, snap.device_bytes)
         log.info("live heal: serving step %d (%d bytes, %d blobs) to ranks %s at %s",
                  step, snap.logical_bytes, len(snap.blobs), list(dst_ranks), self.metadata())
 
@@ -187,7 +218,8 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         receive = Receive(address, int(step), seconds, algorithm=self._algorithm,
                           destinations=self._destinations, local=self._local_chunks(),
                           workers=self._workers, retries=self._retries,
-                          huge_pages=self._huge_pages)
+                          huge_pages=self._huge_pages, staging=self._recv_staging,
+                          device=self._device)
         state, info = receive.run()
         self.last_receive = info
         log.info("live heal: step %d from rank %d in %.2f s: %d bytes from the sender, %d in "
@@ -206,6 +238,11 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         self._server.close(wait)
 
     # ------------------------------------------------------------------ extras
+    @property
+    def device_host_peak(self) -> int:
+        """Most host bytes the sender's device tensors have taken at once (staging.py)."""
+        return self._send_staging.peak_bytes
+
     @property
     def bytes_served(self) -> int:
         """Index and chunk bytes this transport's server has sent, since it started."""

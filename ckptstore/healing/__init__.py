@@ -9,6 +9,7 @@ chunk, every byte verified against its digest (torchft's CheckpointTransport is
     client.py     HTTP/1.1 requests with a deadline, bodies read into caller buffers
     receive.py    the receiver: index, destinations, local copies, parallel verified fetches
     memory.py     new tensors backed ahead of the transfer (and huge pages, opt-in)
+    staging.py    device tensors: page-locked slots (the store's device seam), bounded
 
 Nothing here pickles; the wire format is docs/format.md's manifest (docs/recovery.md, "Live
 healing (torchft)")."""

@@ -15,7 +15,10 @@ Where a chunk comes from, in order:
 Every chunk is checked against the digest in the index before it lands in a tensor the caller
 holds: into a destination it is read into a scratch buffer, verified, then copied; a tensor
 created by this receive (returned only if the whole receive succeeds) is filled directly and
-verified there. A whole chunk is hashed piece by piece as it arrives; the memory of new
+verified there. A tensor on a device (a destination there, or a new tensor made on the
+destinations' device) never receives bytes directly: its chunk is read into a page-locked
+slot (staging.py), verified there, then copied up, and the slot is reused only once that copy
+completed. A whole chunk is hashed piece by piece as it arrives; the memory of new
 tensors is backed ahead of the transfer by a thread of its own where a spare core allows
 (memory.py). A chunk that fails its digest is fetched again (`retries` times), then the
 receive fails with IntegrityError and no destination received it. The index itself is a
@@ -49,6 +52,7 @@ from ..format.hashing import HashAlgorithm, StreamingDigest, is_digest
 from ..format.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest, TensorEntry
 from ..format.manifest_parse import parse_manifest
 from ..layout import blob_key
+from ..pipeline.device import CopyEvent, Device, DeviceBlock, block_of, marks_for, on_device
 from ..pipeline.loading import physical_memory
 from ..pipeline.ranges import merge_ranges
 from ..stores.base import Store
@@ -56,7 +60,8 @@ from . import dtensors
 from .client import Address, Broken, Connection, Deadline, Refused
 from .errors import HealError
 from .memory import advise_huge, populate
-from .snapshot import META_KEY, WIRE_VERSION, checkpoint_name
+from .snapshot import DEFAULT_CHUNK_BYTES, META_KEY, WIRE_VERSION, checkpoint_name
+from .staging import Staging, copy_up, stage_to_host
 
 log = logging.getLogger("ckptstore.healing")
 MERGE_GAP = 64 * 1024  # pack members this close share one ranged GET
@@ -99,8 +104,9 @@ class ReceiveInfo:
 
 @dataclass
 class _Piece:
-    out: np.ndarray  # flat uint8: where the chunk's bytes go
+    out: np.ndarray | None  # flat uint8: where the chunk's bytes go (None: on a device)
     live: bool  # the caller's own memory: only verified bytes may land there
+    dev: DeviceBlock | None = None  # on a device: the rows the chunk fills
 
 
 @dataclass
@@ -116,6 +122,15 @@ class _Group:
     @property
     def packed(self) -> bool:
         return self.ref.offset != 0 or self.ref.blob != self.ref.digest
+
+    @property
+    def devices(self) -> dict[str, Device]:
+        """The devices some piece of it lives on, by name."""
+        return {p.dev.device.name: p.dev.device for p in self.pieces if p.dev is not None}
+
+    def host_target(self) -> np.ndarray | None:
+        """A piece this receive created in host memory (filled directly, verified there)."""
+        return next((p.out for p in self.pieces if not p.live and p.out is not None), None)
 
 
 @dataclass
@@ -344,8 +359,14 @@ class Receive:
 
     def __init__(self, address: Address, step: int, timeout: float, *, algorithm: HashAlgorithm,
                  destinations: Callable[[], Any] | None, local: LocalChunks | None,
-                 workers: int, retries: int, huge_pages: bool = False) -> None:
+                 workers: int, retries: int, huge_pages: bool = False,
+                 staging: Staging | None = None, device: Any = None) -> None:
         self.address = address
+        #: page-locked slots through which chunks reach device tensors (staging.py)
+        self.staging = staging
+        #: where new tensors are made (a device seam; None: beside the destinations)
+        self.device = device
+        self.marks: dict[str, CopyEvent] = {}
         self.huge_pages = huge_pages
         self.step = step
         self.deadline = Deadline(timeout)
@@ -437,7 +458,8 @@ class Receive:
                                    + "; ".join(problems[:10]))
         fresh += sum({e.storage.id: e.storage.nbytes for e in manifest.tensors
                       if e.storage is not None}.values())
-        if fresh > physical_memory():
+        new_on = self._new_device(dests)
+        if fresh > physical_memory() and new_on is None:
             raise FormatError(f"index of step {self.step} declares {fresh} bytes of new "
                               "tensors, more than this machine's memory")
 
@@ -452,7 +474,7 @@ class Receive:
                 if entry.kind == "torch" or (dest is not None
                                              and not isinstance(dest, np.ndarray)):
                     if mat is None:
-                        mat = _torch().TorchMaterializer()
+                        mat = _torch().TorchMaterializer(new_on)
                     value, buf, fin = mat.into(dest, entry) if dest is not None else mat.new(entry)
                 elif dest is not None:
                     value, buf, fin = _numpy_into(dest, entry)
@@ -466,12 +488,23 @@ class Receive:
             if fin is not None:
                 finishers.append(fin)
             live = dest is not None and fin is None
-            if not live and self.huge_pages:  # memory this receive created, untouched
+            device = on_device(buf)
+            if not live and not device and self.huge_pages:  # memory this receive created
                 advise_huge(buf)
             row = entry.row_bytes if entry.shape else entry.dtype.itemsize
             for c, ref in enumerate(entry.chunks):
-                lo = c * entry.chunk_rows * row if entry.shape else 0
-                piece = _Piece(buf[lo : lo + ref.nbytes], live)
+                if device:  # only verified bytes are copied up, from a page-locked slot
+                    rows = block_of(buf)
+                    if entry.shape:
+                        rows = rows[c * entry.chunk_rows : (c + 1) * entry.chunk_rows]
+                    if rows.nbytes != ref.nbytes:
+                        raise FormatError(f"index of step {self.step}: chunk {c} of "
+                                          f"{entry.key!r} declares {ref.nbytes} bytes, its "
+                                          f"rows hold {rows.nbytes}")
+                    piece = _Piece(None, live, rows)
+                else:
+                    lo = c * entry.chunk_rows * row if entry.shape else 0
+                    piece = _Piece(buf[lo : lo + ref.nbytes], live)
                 g = groups.get(ref.digest)
                 if g is None:
                     g = groups[ref.digest] = _Group(ref.digest, ref.nbytes, ref, key)
@@ -480,7 +513,26 @@ class Receive:
                                       "declared with two sizes")
                 g.pieces.append(piece)
         self.total = sum(g.nbytes for g in groups.values())
+        # copies to a device wait for the work this thread issued there before the receive
+        # (e.g. the kernels that built the destinations)
+        self.marks = marks_for(p.dev for g in groups.values() for p in g.pieces
+                               if p.dev is not None)
+        if self.marks and self.staging is None:
+            self.staging = Staging(DEFAULT_CHUNK_BYTES)
         return values, list(groups.values()), finishers, dest_dtensors
+
+    def _new_device(self, dests: dict[str, Any]) -> Any:
+        """Where new torch tensors are made: `device` if given, else the one device holding
+        the destinations' tensors (None: host memory, also when they are on several)."""
+        if self.device is not None:
+            return self.device
+        found: dict[str, Any] = {}
+        for dest in dests.values():
+            if not isinstance(dest, np.ndarray) and callable(getattr(dest, "detach", None)):
+                dev = _torch().device_of(dest.detach())
+                if dev is not None:
+                    found.setdefault(dev.name, dev)
+        return next(iter(found.values())) if len(found) == 1 else None
 
     # ------------------------------------------------------------------ fetch
     def _fetch(self, groups: list[_Group], conns: list[Connection]) -> None:
@@ -534,7 +586,7 @@ class Receive:
         fresh: list[np.ndarray] = []
         for it in reversed(work.items):
             if len(it.members) == 1 and it.whole:  # _get receives these in place
-                out = next((p.out for p in it.members[0][1].pieces if not p.live), None)
+                out = it.members[0][1].host_target()
                 if out is not None and out.size:
                     fresh.append(out)
 
@@ -565,21 +617,49 @@ class Receive:
             self.deadline.check(self.what)
             raise HealError(f"{self.what}: workers did not finish")
 
-    def _land(self, g: _Group, src: np.ndarray) -> None:
+    def _land(self, g: _Group, src: np.ndarray, pinned: bool = False,
+              holder: DeviceBlock | None = None) -> None:
         """Copy verified bytes `src` to every piece of `g` not already holding them (not
-        once the receive has failed: its caller may be using the destinations again)."""
+        once the receive has failed: its caller may be using the destinations again). A
+        piece on a device gets them from a page-locked slot (`src` itself when `pinned`),
+        and this returns once that copy completed; `holder`, a device piece the bytes were
+        read from, gets no copy."""
         if self._stopped.is_set():
             raise HealError(f"{self.what}: stopped")
         addr = src.ctypes.data if src.size else 0
+        ups = []
         for p in g.pieces:
-            if p.out.size and p.out.ctypes.data != addr:
+            if p.dev is not None:
+                if p.dev is not holder:
+                    ups.append(p.dev)
+            elif p.out is not None and p.out.size and p.out.ctypes.data != addr:
                 np.copyto(p.out, src)
+        if not ups:
+            return
+        what = f"tensor {g.key!r}: the copy to {ups[0].device.name}"
+        if pinned:
+            for block in ups:
+                copy_up(src, block, self.marks.get(block.device.name), what)
+            return
+        with self._slot(g) as slot:
+            np.copyto(slot, src)
+            for block in ups:
+                copy_up(slot, block, self.marks.get(block.device.name), what)
+
+    def _slot(self, g: _Group, nbytes: int | None = None) -> Any:
+        """A page-locked slot of `nbytes` (default: the chunk's) for `g`'s devices."""
+        assert self.staging is not None
+        return self.staging.slot(g.nbytes if nbytes is None else nbytes, g.devices.values())
 
     def _in_place(self, g: _Group) -> bool:
         """Whether a destination already holds the chunk (its probe first: snapshot.py)."""
         probe = self.probes.get(g.digest)
         for p in g.pieces:
-            if not p.live or not p.out.size:
+            if p.dev is not None:  # its bytes copied into a slot, hashed there
+                if p.live and self._in_place_on_device(g, p.dev, probe):
+                    return True
+                continue
+            if not p.live or p.out is None or not p.out.size:
                 continue
             view = memoryview(p.out.data).cast("B")
             if probe is not None and self.algorithm.digest(view[: self.probe_bytes]) != probe:
@@ -590,10 +670,32 @@ class Receive:
                 return True
         return False
 
+    def _in_place_on_device(self, g: _Group, block: DeviceBlock, probe: str | None) -> bool:
+        if not block.nbytes:
+            return False
+        what = f"tensor {g.key!r}: the copy from {block.device.name} to host memory"
+        with self._slot(g) as slot:
+            stage_to_host([(block, 0)], slot, self.marks, what)
+            view = memoryview(slot.data).cast("B")
+            if probe is not None and self.algorithm.digest(view[: self.probe_bytes]) != probe:
+                return False
+            if self.algorithm.digest(view) != g.digest:
+                return False
+            self._land(g, slot, pinned=True, holder=block)  # the other pieces, if any
+        self.counts.add(in_place=g.nbytes, in_place_chunks=1)
+        return True
+
     def _from_local(self, g: _Group, scratch: list[np.ndarray]) -> bool:
         if self.local is None or g.digest not in self.local.refs:
             return False
-        target = next((p.out for p in g.pieces if not p.live), None)
+        target = g.host_target()
+        if target is None and g.devices:  # read into a page-locked slot, copied up from it
+            with self._slot(g) as slot:
+                if not self.local.read(g.digest, slot):
+                    return False
+                self._land(g, slot, pinned=True)
+            self.counts.add(local=g.nbytes, local_chunks=1)
+            return True
         if target is None:
             target = _scratch(scratch, g.nbytes)
         if not self.local.read(g.digest, target):
@@ -603,14 +705,27 @@ class Receive:
         return True
 
     def _get(self, conn: Connection, item: _Item, scratch: list[np.ndarray]) -> None:
-        """Fetch, verify and land one item (module docstring: retries, errors)."""
+        """Fetch, verify and land one item (module docstring: retries, errors). An item with
+        a member on a device and no new host tensor to receive into is received into a
+        page-locked slot, verified there and copied up from it."""
         direct = None
         if len(item.members) == 1 and item.whole:
-            direct = next((p.out for p in item.members[0][1].pieces if not p.live), None)
+            direct = item.members[0][1].host_target()
+        if direct is None and self.staging is not None:
+            devices: dict[str, Device] = {}
+            for _off, g in item.members:
+                devices.update(g.devices)
+            if devices:
+                with self.staging.slot(item.length, devices.values()) as slot:
+                    self._get_into(conn, item, slot, True)
+                return
+        self._get_into(conn, item, direct if direct is not None else
+                       _scratch(scratch, item.length), False)
+
+    def _get_into(self, conn: Connection, item: _Item, buf: np.ndarray, pinned: bool) -> None:
         broken = 0
         attempt = 0
         while True:
-            buf = direct if direct is not None else _scratch(scratch, item.length)
             view = memoryview(buf.data).cast("B") if item.length else memoryview(b"")
             headers = {} if item.whole else {
                 "Range": f"bytes={item.start}-{item.start + item.length - 1}"}
@@ -652,7 +767,7 @@ class Receive:
             log.warning("live heal: chunk %s of %r from %s failed its digest; fetching it "
                         "again", bad[0].digest, bad[0].key, self.address.url)
         for off, g in item.members:
-            self._land(g, buf[off : off + g.nbytes])
+            self._land(g, buf[off : off + g.nbytes], pinned)
         self.counts.add(network_chunks=len(item.members))
 
     def _post_done(self, conn: Connection) -> None:

@@ -1,5 +1,7 @@
 """The sender's HTTP server: serves the published step's index and blobs (ranged GETs by
-digest) from the state's memory, on a small thread pool (one thread per connection).
+digest) from the state's memory, on a small thread pool (one thread per connection). A blob
+of device tensors is copied into a page-locked slot for each request, and sent once that
+copy completed (snapshot.DeviceBlob); a failed copy is a 500 naming the device error.
 
 Paths, under a random secret prefix that only the transport's metadata string names:
 
@@ -33,10 +35,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from ..errors import DeviceCopyError
 from .client import SOCKET_BUFFER, set_timeouts
 from .snapshot import Snapshot
 
@@ -386,28 +389,40 @@ def _handler_class(server: HealServer) -> type[BaseHTTPRequestHandler]:
                         raise _Refused(416, f"bad range {rng[:60]!r} for a blob of "
                                             f"{blob.size} bytes")
                     start, length = int(r.group(1)), int(r.group(2)) - int(r.group(1)) + 1
-                self.send_response(206 if rng is not None else 200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(length))
-                self.end_headers()
-                pieces: list[bytes | memoryview] = []
-                pos = start
-                for view in blob.slices(start, length):
-                    for a in range(0, len(view), SEND_PIECE):
-                        piece: bytes | memoryview = view[a : a + SEND_PIECE]
-                        if server.hook is not None:
-                            replaced = server.hook(digest, pos, view[a : a + SEND_PIECE])
-                            if replaced is not None:
-                                piece = replaced
-                        pieces.append(piece)
-                        pos += len(piece)
-                        if len(pieces) >= IOV_MAX or len(piece) >= SEND_PIECE:
-                            _send_all(self.connection, pieces)
-                            pieces = []
-                _send_all(self.connection, pieces)
+                # a device blob is copied into a page-locked slot here (staging.py): the
+                # copy completed before anything is sent, the slot is given back after
+                with ExitStack() as stack:
+                    try:
+                        views = stack.enter_context(blob.open(start, length))
+                    except DeviceCopyError as exc:
+                        raise _Refused(500, f"the sender could not read step {step}: {exc}"
+                                       ) from None
+                    self._send_body(digest, start, length, views, rng is not None)
                 with state.cv:
                     state.bytes_sent += length
                     state.requests += 1
+
+        def _send_body(self, digest: str, start: int, length: int, views: list[memoryview],
+                       ranged: bool) -> None:
+            self.send_response(206 if ranged else 200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(length))
+            self.end_headers()
+            pieces: list[bytes | memoryview] = []
+            pos = start
+            for view in views:
+                for a in range(0, len(view), SEND_PIECE):
+                    piece: bytes | memoryview = view[a : a + SEND_PIECE]
+                    if server.hook is not None:
+                        replaced = server.hook(digest, pos, view[a : a + SEND_PIECE])
+                        if replaced is not None:
+                            piece = replaced
+                    pieces.append(piece)
+                    pos += len(piece)
+                    if len(pieces) >= IOV_MAX or len(piece) >= SEND_PIECE:
+                        _send_all(self.connection, pieces)
+                        pieces = []
+            _send_all(self.connection, pieces)
 
     return Handler
 
