@@ -582,11 +582,12 @@ class CheckpointWriter:
         """The `created` time of the manifest committed now (see `not_before`)."""
         return max(time.time(), self.not_before)
 
-    def reused_blobs(self, refs: Iterable[ChunkRef]) -> set[str]:
-        """The blobs of `refs` this writer did not write (reused from earlier checkpoints)."""
-        blobs = {ref.blob for ref in refs}
+    def reused_blobs(self, blobs: Iterable[str]) -> set[str]:
+        """The blobs among `blobs` this writer did not write (reused from earlier
+        checkpoints, or written by other processes of a collective save)."""
+        wanted = set(blobs)
         with self._claim_lock:
-            return blobs - self._claimed
+            return wanted - self._claimed
 
     def put_index_blob(self, digest: str, data: bytes) -> None:
         """Write an index blob (a segment) this save built, unless the store is known to

@@ -448,7 +448,7 @@ def save_by_rank_plans(writer: CheckpointWriter, request: SaveRequest, group: An
         writer.store.sync()
         writer.confirm_sources()  # this rank's last check of overlapped sources
         if writer.confirm_reused is not None:
-            writer.confirm_reused(writer.reused_blobs(refs.values()))
+            writer.confirm_reused(writer.reused_blobs(ref.blob for ref in refs.values()))
     except Exception as exc:  # reported to rank 0 below
         error, refs = _error(rank, exc), {}
 
@@ -521,5 +521,8 @@ def commit_root(writer: CheckpointWriter, request: SaveRequest, plan: RankPlan,
     manifest = Manifest(name=request.name, created=writer.creation_time(),
                         metadata=request.metadata, tree=request.tree, tensors=tensors,
                         parent=request.parent, hash=algorithm.name, version=SEGMENTED_VERSION)
-    writer.commit(manifest, request.manifest_key, reused=set())  # each rank confirmed its own
+    # each rank confirmed the chunk blobs it reused; the index blobs (segments the builders
+    # found in the store, the tree's) are confirmed here, after every builder reported
+    reused = writer.reused_blobs(r.digest for r in manifest.index_blobs())
+    writer.commit(manifest, request.manifest_key, reused=reused)
     return manifest
