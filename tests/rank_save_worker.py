@@ -190,3 +190,21 @@ def crash_main(rank: int, world: int, init_file: str, root: str, kill_rank: int,
     mgr.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def tiers_worker(rank: int, world: int, init_file: str, near: str, far: str,
+                 out_dir: str) -> None:
+    """Three saves by rank plans into a near and a far tier (every save to both); the second
+    and third reuse each rank's remembered chunks; rank 0 waits for the replication."""
+    with reporting(os.path.join(out_dir, f"r{rank}")):
+        _init(rank, world, init_file)
+        import ckptstore
+
+        mgr = ckptstore.CheckpointManager([near, far], keep_last=[3, 3], every=[1, 1],
+                                          chunk_bytes=16 * 1024)
+        for step, extra in ((1, 0.0), (2, 1.0), (3, 1.0)):
+            info = mgr.save(step, _state(rank, ROWS["uneven"], extra))
+            if step == 3:
+                assert info.chunks_written == 0, info  # all remembered from step 2
+        mgr.wait()
+        mgr.close()

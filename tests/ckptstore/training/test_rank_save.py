@@ -220,3 +220,22 @@ def test_hsdp_copies_of_a_shard_share_its_writing(tmp_path):
         assert torch.equal(state["model"][k], v), k
     assert repo.verify("step-1").ok
     repo.close()
+
+
+@pytest.mark.slow
+def test_a_save_by_rank_plans_replicates_whole_to_a_far_tier(tmp_path):
+    """Segments built by several ranks are blobs like any other: the far tier receives every
+    one of them, and the far copy alone loads and verifies."""
+    near, far = tmp_path / "near", tmp_path / "far"
+    _spawn(rank_save_worker.tiers_worker, 3, tmp_path, "tiers",
+           lambda init, out: (3, init, str(near), str(far), out))
+    repo = CheckpointStore(far, create=False)
+    assert [c.name for c in repo.list()] == ["step-1", "step-2", "step-3"]
+    t = rank_save_worker.truth()
+    for step, extra in ((1, 0.0), (3, 1.0)):
+        state = repo.load(f"step-{step}")
+        assert torch.equal(state["model"]["emb"], t["emb"] + extra)
+        assert torch.equal(state["model"]["rep"], t["rep"])
+        assert repo.verify(f"step-{step}").ok
+        assert repo.manifest(f"step-{step}").version == SEGMENTED_VERSION
+    repo.close()
