@@ -208,3 +208,17 @@ def tiers_worker(rank: int, world: int, init_file: str, near: str, far: str,
                 assert info.chunks_written == 0, info  # all remembered from step 2
         mgr.wait()
         mgr.close()
+
+
+def s3_worker(rank: int, world: int, init_file: str, uri: str, endpoint: str,
+              out_dir: str) -> None:
+    """Two saves by rank plans into an S3 bucket (the second reusing each rank's chunks)."""
+    with reporting(os.path.join(out_dir, f"r{rank}")):
+        _init(rank, world, init_file)
+        import ckptstore
+
+        mgr = ckptstore.CheckpointManager(uri, endpoint_url=endpoint, chunk_bytes=16 * 1024)
+        mgr.save(1, _state(rank, ROWS["uneven"], 0.0))
+        info = mgr.save(2, _state(rank, ROWS["uneven"], 0.0))
+        assert info.chunks_written == 0, info
+        mgr.close()

@@ -239,3 +239,19 @@ def test_a_save_by_rank_plans_replicates_whole_to_a_far_tier(tmp_path):
         assert repo.verify(f"step-{step}").ok
         assert repo.manifest(f"step-{step}").version == SEGMENTED_VERSION
     repo.close()
+
+
+@pytest.mark.slow
+def test_rank_plans_on_s3_servers(tmp_path, s3_endpoint, s3_any_uri):
+    """The same protocol against moto and SeaweedFS: segments put by builders, the root
+    created create-only by rank 0, and nothing rewritten by the second save."""
+    _spawn(rank_save_worker.s3_worker, 3, tmp_path, "s3",
+           lambda init, out: (3, init, s3_any_uri, s3_endpoint, out))
+    repo = CheckpointStore(s3_any_uri, endpoint_url=s3_endpoint, create=False)
+    t = rank_save_worker.truth()
+    state = repo.load("step-2")
+    assert torch.equal(state["model"]["emb"], t["emb"])
+    assert torch.equal(state["optim"]["step"], t["step"])
+    assert repo.verify("step-2").ok
+    assert repo.manifest("step-2").segment_refs() == repo.manifest("step-1").segment_refs()
+    repo.close()
