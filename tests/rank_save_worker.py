@@ -49,7 +49,8 @@ def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
     """mode "even"/"uneven": four saves (the 2nd changes emb's values, the 3rd nothing, the
     4th changes its values and the ranks' rows);
     report per save: chunks written/reused, parent reads, gcd rounds. "gap": one save that
-    must fail on every rank. "differ": rank 1 and 2 both hold rows 8-12 with other values."""
+    must fail on every rank. "differ": rank 1 and 2 both hold rows 8-12 with other values.
+    "planfail": rank 1's plan raises after the agreement, then a save that succeeds."""
     with reporting(os.path.join(out_dir, f"r{rank}")):
         _init(rank, world, init_file)
         import ckptstore
@@ -74,6 +75,25 @@ def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
             return real_add(self, manifest)
 
         KnownChunks.add_manifest = counting_add
+        if mode == "planfail":  # rank 1's plan fails after the agreement: all raise it
+            real_plan = rank_save.plan_rank
+
+            def failing_plan(*args, **kwargs):
+                if rank == 1:
+                    raise RuntimeError("plan exploded on rank 1")
+                return real_plan(*args, **kwargs)
+
+            rank_save.plan_rank = failing_plan
+            try:
+                mgr.save(1, _state(rank, ROWS["uneven"]))
+                raise AssertionError("a save whose plan failed on a rank succeeded")
+            except ckptstore.CkptStoreError as exc:
+                assert "plan exploded on rank 1" in str(exc), str(exc)
+            rank_save.plan_rank = real_plan
+            mgr.save(2, _state(rank, ROWS["uneven"]))  # the group is still usable
+            assert [c.name for c in mgr.repo.list()] == ["step-2"]
+            mgr.close()
+            return
         if mode in ("gap", "differ"):
             rows = ROWS["gap"] if mode == "gap" else [(0, 5), (5, 12), (8, 12)]
             state = _state(rank, rows, extra=float(rank) if mode == "differ" else 0.0)

@@ -430,36 +430,49 @@ def save_by_rank_plans(writer: CheckpointWriter, request: SaveRequest, group: An
     if odd or high != -neg_low:  # the general protocol (which names any disagreement)
         return FALLBACK
 
-    # 2. plan (or the cached plan, if no rank's placements changed)
+    # 2. plan (or the cached plan, if no rank's placements changed). From here on every rank
+    # takes part in every collective whatever fails on it, and reports its error at step 6
     clock.lap("agree")
+    error = None
+    plan: RankPlan | None = None
     if changed or cached is None:
-        gcds = per_tensor(leaves, agree_gcds(local_gcds(leaves, boxes), group))
-        plan = plan_rank(leaves, boxes, gcds, signature, writer, rank, world)
+        dims = sum(len(leaf.global_shape or leaf.array.shape) for leaf in leaves)
+        try:
+            local = local_gcds(leaves, boxes)
+        except Exception as exc:  # reported to rank 0 below
+            error, local = _error(rank, exc), [0] * dims
+        agreed = agree_gcds(local, group)  # every rank takes part, failed or not
+        if error is None:
+            try:
+                plan = plan_rank(leaves, boxes, per_tensor(leaves, agreed), signature, writer,
+                                 rank, world)
+            except Exception as exc:  # reported to rank 0 below
+                error = _error(rank, exc)
     else:
         plan = cached
     memory.plan = plan
-    clock.lap("plan", cached=int(plan is cached))
+    clock.lap("plan", cached=int(plan is not None and plan is cached))
 
     # 3. write
-    error = None
     refs: dict[tuple[int, int], ChunkRef] = {}
-    try:
-        refs = _write_mine(writer, leaves, boxes, plan)
-        writer.store.sync()
-        writer.confirm_sources()  # this rank's last check of overlapped sources
-        if writer.confirm_reused is not None:
-            writer.confirm_reused(writer.reused_blobs(ref.blob for ref in refs.values()))
-    except Exception as exc:  # reported to rank 0 below
-        error, refs = _error(rank, exc), {}
+    if plan is not None:
+        try:
+            refs = _write_mine(writer, leaves, boxes, plan)
+            writer.store.sync()
+            writer.confirm_sources()  # this rank's last check of overlapped sources
+            if writer.confirm_reused is not None:
+                writer.confirm_reused(writer.reused_blobs(ref.blob for ref in refs.values()))
+        except Exception as exc:  # reported to rank 0 below
+            error, refs = _error(rank, exc), {}
 
     # 4-5. exchange, build
     clock.lap("write")
-    sent = outgoing(refs, plan, world)
+    sent = outgoing(refs, plan, world) if plan is not None else [b""] * world
     received = np.frombuffer(b"".join(all_to_all_bytes(sent, group)), dtype=ROW)
     clock.lap("exchange", sent=sum(len(p) for p in sent), received=received.nbytes)
     built: list[list[Any]] = []
     build_error = None
-    if error is None:
+    if error is None and plan is not None:
         try:
             built = build_segments(writer, received, plan, leaves, rank, world)
         except Exception as exc:
@@ -478,15 +491,17 @@ def save_by_rank_plans(writer: CheckpointWriter, request: SaveRequest, group: An
         # what gather_json received: every record padded to the longest
         clock.counts["gathered"] = len(records) * max(len(canonical_json(r)) for r in records)
         try:
+            if plan is None:
+                raise _RankFailed(str(error))
             manifest = commit_root(writer, request, plan, records)
         except Exception as exc:
             outcome = {"error": str(exc) if isinstance(exc, _RankFailed) else _error(0, exc)}
     outcome = broadcast_json(outcome, group)
     clock.lap("commit")
     memory.last = clock.done()
-    if "error" in outcome:
+    if "error" in outcome or plan is None:
         raise CkptStoreError(f"collective save of {name!r} failed, nothing committed: "
-                             f"{outcome['error']}")
+                             f"{outcome.get('error', error)}")
     codecs = {i: None if g.packed or g.small else writer.options.compression
               for i, g in enumerate(plan.grids)}
     index_blobs = {str(b[1]) for b in built}

@@ -191,12 +191,16 @@ def test_three_ranks_save_by_their_own_plans_reuse_without_reading_back(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["gap", "differ"])
+@pytest.mark.parametrize("mode", ["gap", "differ", "planfail"])
 def test_shards_that_leave_rows_unheld_or_disagree_commit_nothing(tmp_path, mode):
+    """Rows no rank holds, copies that differ, or a rank whose plan fails after the
+    agreement: every rank raises the same error and nothing is committed (with "planfail"
+    the next save goes through on the same group)."""
     root = tmp_path / "repo"
     _spawn(rank_save_worker.save_worker, 3, tmp_path, mode,
            lambda init, out: (3, init, str(root), out, mode))
-    assert CheckpointStore(root, create=False).list() == []
+    names = [c.name for c in CheckpointStore(root, create=False).list()]
+    assert names == (["step-2"] if mode == "planfail" else [])
 
 
 @pytest.mark.slow
