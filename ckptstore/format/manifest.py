@@ -125,13 +125,7 @@ class TensorEntry:
         """The chunks a box `region` ([start, stop) per dimension) meets, in C order: each
         chunk's index, the part of the box it holds (global [start, stop) per dimension) and
         that part as slices of the chunk's own block."""
-        block = self.block_shape()
-        grid = [max(1, -(-n // c)) for n, c in zip(self.shape, block)]
-        per_dim = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(region, block)]
-        for pos in itertools.product(*per_dim):
-            index = 0
-            for p, g in zip(pos, grid):
-                index = index * g + p
+        for index in chunks_meeting(self.shape, self.block_shape(), region):
             creg = self.chunk_region(index)
             inter = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(creg, region))
             if any(a >= b for a, b in inter):
@@ -217,6 +211,19 @@ def expected_chunk_count(shape: tuple[int, ...], chunk_rows: int, itemsize: int,
     if chunk_shape is not None:
         return math.prod(-(-n // c) for n, c in zip(shape, chunk_shape))
     return -(-shape[0] // chunk_rows)
+
+
+def chunks_meeting(shape: tuple[int, ...], block: tuple[int, ...],
+                   region: Sequence[tuple[int, int]]) -> Iterator[int]:
+    """The indexes, in C order, of the chunks of the regular grid of `block`s over `shape`
+    whose grid cells meet the box `region` ([start, stop) per dimension)."""
+    grid = [max(1, -(-n // c)) for n, c in zip(shape, block)]
+    per_dim = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(region, block)]
+    for pos in itertools.product(*per_dim):
+        index = 0
+        for p, g in zip(pos, grid):
+            index = index * g + p
+        yield index
 
 
 def chunk_region(shape: tuple[int, ...], block: tuple[int, ...], index: int

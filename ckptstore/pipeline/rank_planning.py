@@ -29,14 +29,13 @@ save makes) by one rank each (`builder_of`), from the chunk references the write
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..format.dtypes import DType
 from ..format.leaf import ArrayLeaf
-from ..format.manifest import expected_chunk_count
+from ..format.manifest import chunks_meeting, expected_chunk_count
 from ..format.segment_encoding import cut_counts
 from .options import SaveOptions
 from .planning import grid_block, grid_of, grid_region, rows_per_chunk
@@ -128,14 +127,7 @@ class Grid:
         if not self.shape:
             yield 0
             return
-        block = self.block()
-        counts = [max(1, -(-n // c)) for n, c in zip(self.shape, block)]
-        spans = [range(start // c, -(-stop // c)) for (start, stop), c in zip(box, block)]
-        for pos in itertools.product(*spans):
-            index = 0
-            for p, g in zip(pos, counts):
-                index = index * g + p
-            yield index
+        yield from chunks_meeting(self.shape, self.block(), box)
 
 
 def copy_writes(tensor: int, chunk: int, replica: tuple[int, int]) -> bool:
