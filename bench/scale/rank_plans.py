@@ -73,7 +73,7 @@ def _fake(i: int, c: np.ndarray) -> np.ndarray:
 
 def _rows_of_segment(span: range, plan: Any, itemsize: list[int]) -> np.ndarray:
     """Every chunk row of the tensors of `span`, as the writers would send them."""
-    from ckptstore.training.rank_save import ROW
+    from ckptstore.pipeline.rank_segments import ROW
 
     parts = []
     for i in span:
@@ -117,7 +117,8 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
     from ckptstore.layout import manifest_key, segments_in
     from ckptstore.pipeline.commit import SaveRequest
     from ckptstore.pipeline.options import SaveOptions
-    from ckptstore.pipeline.rank_planning import box_of, builder_of
+    from ckptstore.pipeline.rank_planning import box_of, builder_of, plan_rank
+    from ckptstore.pipeline.rank_segments import build_segments, outgoing
     from ckptstore.pipeline.writer import CheckpointWriter, KnownChunks
     from ckptstore.stores import open_store
     from ckptstore.training import rank_save as rs
@@ -145,11 +146,11 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
         signature = rs._signature(structure, boxes, world, rank, writer)
         _local = rs.local_gcds(leaves, boxes)
         t1 = time.perf_counter()
-        plan = rs.plan_rank(leaves, boxes, gcds, signature, writer, rank, world)
+        plan = plan_rank(leaves, boxes, gcds, signature, writer.options, rank, world)
         t2 = time.perf_counter()
         refs = _my_refs(plan, boxes, itemsize)
         t3 = time.perf_counter()
-        sent = rs.outgoing(refs, plan, world)
+        sent = outgoing(refs, plan, world)
         t4 = time.perf_counter()
         ranks.append({"rank": rank, "describe_s": t1 - t0, "plan_s": t2 - t1,
                       "outgoing_s": t4 - t3, "chunks": len(refs),
@@ -176,7 +177,7 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
         rows_b = np.concatenate([_rows_of_segment(plan0.spans[s], plan0, itemsize)
                                  for s in segs])
         t0 = time.perf_counter()
-        built = rs.build_segments(writer, rows_b, plan0, leaves0, b, world)
+        built = build_segments(writer, rows_b, plan0, leaves0, b, world)
         build.append({"rank": b, "segments": len(segs), "seconds": time.perf_counter() - t0,
                       "received_bytes": rows_b.nbytes})
         records[b]["segments"] = built

@@ -33,6 +33,8 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..format.dtypes import DType
 from ..format.leaf import ArrayLeaf
 from ..format.manifest import chunks_meeting, expected_chunk_count
@@ -181,3 +183,35 @@ def builder_of(segment: int, world: int) -> int:
     """The rank that builds index segment `segment`: ranks other than 0 first, so that
     rank 0, which commits, receives only the ranks' small records."""
     return segment % world if world == 1 else 1 + segment % (world - 1)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's plan of a collective save (the same grids and spans on every rank)."""
+
+    signature: int  # of the inputs it was derived from (training/rank_save.py: `_signature`)
+    geometry: tuple[TensorGeometry, ...]
+    grids: tuple[Grid, ...]
+    spans: tuple[range, ...]  # tensors of each index segment
+    mine: dict[int, list[int]]  # replicated tensor -> the chunks this rank writes
+
+    def segment_of(self) -> np.ndarray:
+        """The segment of each tensor."""
+        return np.repeat(np.arange(len(self.spans), dtype=np.int64),
+                         [len(s) for s in self.spans])
+
+
+def plan_rank(leaves: list[ArrayLeaf], boxes: list[Box | None], gcds: list[list[int]],
+              signature: int, options: SaveOptions, rank: int, world: int) -> RankPlan:
+    """This rank's plan from its leaves, their boxes (`box_of`) and the agreed gcds per
+    tensor and dimension: every tensor's grid, the index segments, and the replicated chunks
+    this rank writes (the same grids and segments on every rank)."""
+    geos = tuple(TensorGeometry(leaf.key, leaf.dtype,
+                                tuple(leaf.global_shape or leaf.array.shape),
+                                b is not None) for leaf, b in zip(leaves, boxes))
+    grids = tuple(grid(geo, g, options) for geo, g in zip(geos, gcds))
+    mine: dict[int, list[int]] = {}
+    for (i, c), owner in replicated_owners(geos, grids, world).items():
+        if owner == rank:
+            mine.setdefault(i, []).append(c)
+    return RankPlan(signature, geos, grids, tuple(segment_spans(geos, grids)), mine)

@@ -19,9 +19,10 @@ Every rank of `group` calls `save_by_rank_plans` with its own state; the steps, 
 3. write: each rank writes the chunks it owns, makes them durable, checks its overlapped
    sources and that the blobs it reuses still exist.
 4. exchange: each rank sends each segment's builder the references of its chunks there:
-   one all_to_all of fixed-size binary rows (`ROW`), sizes first.
+   one all_to_all of fixed-size binary rows (pipeline/rank_segments.py), sizes first.
 5. build: each builder assembles its segments' entries (every chunk exactly once; copies of
-   a chunk from several ranks must be the same bytes), encodes and writes them, durable.
+   a chunk from several ranks must be the same bytes), encodes and writes them, durable
+   (pipeline/rank_segments.py).
 6. report: one gather to rank 0 of a small JSON record per rank: its error, or the refs of
    the segments it built. Rank 0 receives O(ranks) small records, never chunk references.
 7. commit: rank 0 creates the root (tree blob, segment refs) if no rank failed and
@@ -54,33 +55,23 @@ from ..format.canonical import canonical_json
 from ..format.codecs import Codec
 from ..format.hashing import hash_algorithm
 from ..format.leaf import ArrayLeaf
-from ..format.manifest import (
-    SEGMENTED_VERSION,
-    ChunkRef,
-    Manifest,
-    StorageRef,
-    TensorEntry,
-    entry_problem,
-)
-from ..format.segment_encoding import SegmentRef, encode
+from ..format.manifest import SEGMENTED_VERSION, ChunkRef, Manifest
+from ..format.segment_encoding import SegmentRef
 from ..format.segments import SegmentedEntries
 from ..layout import segments_in
 from ..pipeline.commit import SaveRequest
 from ..pipeline.planning import LeafPlan
 from ..pipeline.rank_planning import (
     Box,
-    Grid,
-    TensorGeometry,
+    RankPlan,
     Unplannable,
     box_of,
-    builder_of,
     copy_writes,
-    grid,
     interior_gcds,
-    replicated_owners,
-    segment_spans,
+    plan_rank,
 )
-from ..pipeline.writer import CheckpointWriter, KnownChunks, storage_refs
+from ..pipeline.rank_segments import ROW, build_segments, outgoing
+from ..pipeline.writer import CheckpointWriter, KnownChunks
 from .collectives import (
     all_gather_json,
     all_reduce_ints,
@@ -89,9 +80,6 @@ from .collectives import (
     gather_json,
 )
 
-#: One chunk reference as a writer sends it to a segment's builder (56 bytes).
-ROW = np.dtype([("tensor", "<u4"), ("chunk", "<u4"), ("offset", "<u8"), ("size", "<u8"),
-                ("nbytes", "<u8"), ("blob", "u1", (16,)), ("digest", "u1", (16,))])
 #: `agree_gcds`: a tensor no rank's shard ends inside
 _NONE = 1 << 62
 #: An error text a rank reports is cut to this many characters (rank 0 gathers them all).
@@ -99,22 +87,6 @@ MAX_ERROR_CHARS = 2000
 
 #: `save_by_rank_plans` found a leaf its plan cannot describe: run the general protocol
 FALLBACK = object()
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """One rank's plan of a collective save (the same grids and spans on every rank)."""
-
-    signature: int  # of the inputs it was derived from (see `_signature`)
-    geometry: tuple[TensorGeometry, ...]
-    grids: tuple[Grid, ...]
-    spans: tuple[range, ...]  # tensors of each index segment
-    mine: dict[int, list[int]]  # replicated tensor -> the chunks this rank writes
-
-    def segment_of(self) -> np.ndarray:
-        """The segment of each tensor."""
-        return np.repeat(np.arange(len(self.spans), dtype=np.int64),
-                         [len(s) for s in self.spans])
 
 
 class StepClock:
@@ -227,19 +199,6 @@ def agree_gcds(local: list[int], group: Any) -> list[int]:
         low = again
 
 
-def plan_rank(leaves: list[ArrayLeaf], boxes: list[Box | None], gcds: list[list[int]],
-              signature: int, writer: CheckpointWriter, rank: int, world: int) -> RankPlan:
-    geos = tuple(TensorGeometry(leaf.key, leaf.dtype,
-                                tuple(leaf.global_shape or leaf.array.shape),
-                                b is not None) for leaf, b in zip(leaves, boxes))
-    grids = tuple(grid(geo, g, writer.options) for geo, g in zip(geos, gcds))
-    mine: dict[int, list[int]] = {}
-    for (i, c), owner in replicated_owners(geos, grids, world).items():
-        if owner == rank:
-            mine.setdefault(i, []).append(c)
-    return RankPlan(signature, geos, grids, tuple(segment_spans(geos, grids)), mine)
-
-
 class ChunkParts:
     """The chunks one rank writes in a collective save, each handed to the writer as a leaf
     of its own (a view of the local array: no copy unless strided), so that the writer's
@@ -293,113 +252,6 @@ def _write_mine(writer: CheckpointWriter, leaves: list[ArrayLeaf],
     return out.write(writer)
 
 
-def _rows_for(refs: dict[tuple[int, int], ChunkRef]) -> np.ndarray:
-    out = np.zeros(len(refs), dtype=ROW)
-    if not refs:
-        return out
-    keys = list(refs)
-    out["tensor"] = [i for i, _c in keys]
-    out["chunk"] = [c for _i, c in keys]
-    values = list(refs.values())
-    out["offset"] = [r.offset for r in values]
-    out["size"] = [r.size for r in values]
-    out["nbytes"] = [r.nbytes for r in values]
-    out["blob"] = np.frombuffer(bytes.fromhex("".join(r.blob for r in values)),
-                                dtype=np.uint8).reshape(-1, 16)
-    out["digest"] = np.frombuffer(bytes.fromhex("".join(r.digest for r in values)),
-                                  dtype=np.uint8).reshape(-1, 16)
-    return out
-
-
-def outgoing(refs: dict[tuple[int, int], ChunkRef], plan: RankPlan, world: int
-             ) -> list[bytes]:
-    """Step 4 on this rank: the rows of its chunk references for each rank (those of the
-    segments that rank builds; empty for most)."""
-    rows = _rows_for(refs)
-    dest = np.array([builder_of(int(s), world) for s in range(len(plan.spans))],
-                    dtype=np.int64)[plan.segment_of()[rows["tensor"].astype(np.int64)]]
-    order = np.argsort(dest, kind="stable")
-    rows, dest = rows[order], dest[order]
-    bounds = np.searchsorted(dest, np.arange(world + 1))
-    return [rows[bounds[r]:bounds[r + 1]].tobytes() for r in range(world)]
-
-
-def _hex(column: np.ndarray) -> list[str]:
-    h = column.tobytes().hex()
-    return [h[k:k + 32] for k in range(0, len(h), 32)]
-
-
-def _build_segment(s: int, span: range, rows: np.ndarray, plan: RankPlan,
-                   leaves: list[ArrayLeaf], storage: list[StorageRef | None],
-                   compression: Codec | None) -> list[TensorEntry]:
-    """The entries of segment `s` from every rank's rows of its tensors (step 5)."""
-    mine = rows[(rows["tensor"] >= span.start) & (rows["tensor"] < span.stop)]
-    order = np.lexsort((mine["chunk"], mine["tensor"]))  # stable: lowest rank first
-    mine = mine[order]
-    key = mine["tensor"].astype(np.int64) << 32 | mine["chunk"].astype(np.int64)
-    first = np.ones(len(mine), dtype=bool)
-    first[1:] = key[1:] != key[:-1]
-    copies = ~first
-    if copies.any():  # the same chunk from ranks holding the same elements: must be equal
-        dup = np.flatnonzero(copies)
-        differ = (mine["digest"][dup] != mine["digest"][dup - 1]).any(axis=1) | (
-            mine["nbytes"][dup] != mine["nbytes"][dup - 1])
-        if differ.any():
-            j = int(dup[np.flatnonzero(differ)[0]])
-            i, c = int(mine["tensor"][j]), int(mine["chunk"][j])
-            raise CkptStoreError(f"{leaves[i].key}: ranks holding chunk {c} "
-                                 f"{list(plan.grids[i].region(c))} hold different values")
-        mine = mine[first]
-    counts = np.bincount(mine["tensor"].astype(np.int64) - span.start, minlength=len(span))
-    blobs, digests = _hex(mine["blob"]), _hex(mine["digest"])
-    offsets, sizes, nbytes = (mine[f].tolist() for f in ("offset", "size", "nbytes"))
-    entries = []
-    at = 0
-    for k, i in enumerate(span):
-        g, leaf = plan.grids[i], leaves[i]
-        n = int(counts[k])
-        if n != g.chunks:
-            held = set(mine["chunk"][at:at + n].tolist())
-            gap = next(c for c in range(g.chunks) if c not in held)
-            raise CkptStoreError(f"{leaf.key}: no rank holds the elements "
-                                 f"{list(g.region(gap))} of the global shape "
-                                 f"{list(g.shape)}: the ranks' shards do not cover the tensor")
-        chunks = tuple(ChunkRef(blobs[j], offsets[j], sizes[j], nbytes[j], digests[j])
-                       for j in range(at, at + n))
-        at += n
-        entry = TensorEntry(
-            key=leaf.key, kind=leaf.kind, dtype=leaf.dtype, shape=g.shape,
-            chunk_rows=g.chunk_rows, codec=None if g.packed or g.small else compression,
-            chunks=chunks, requires_grad=leaf.requires_grad, parameter=leaf.parameter,
-            storage=storage[i], chunk_shape=g.chunk_shape)
-        problem = entry_problem(entry)
-        if problem is not None:
-            raise CkptStoreError(f"{leaf.key}: {problem}")
-        entries.append(entry)
-    return entries
-
-
-def build_segments(writer: CheckpointWriter, rows: np.ndarray, plan: RankPlan,
-                   leaves: list[ArrayLeaf], rank: int, world: int) -> list[list[Any]]:
-    """Step 5 on this rank: build, write and make durable the segments it builds from
-    every rank's `rows` of them. Returns [segment, digest, size, tensors, nbytes] of each."""
-    storage = [None if geo.sharded else ref
-               for geo, ref in zip(plan.geometry, storage_refs(leaves))]
-    algorithm = writer.options.hash
-    out = []
-    for s, span in enumerate(plan.spans):
-        if builder_of(s, world) != rank:
-            continue
-        entries = _build_segment(s, span, rows, plan, leaves, storage,
-                                 writer.options.compression)
-        data = encode(entries)
-        digest = algorithm.digest(data)
-        writer.put_index_blob(digest, data)
-        out.append([s, digest, len(data), len(span), sum(t.nbytes for t in entries)])
-    writer.store.sync()
-    return out
-
-
 def _error(rank: int, exc: BaseException) -> str:
     return f"rank {rank}: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
 
@@ -444,8 +296,8 @@ def save_by_rank_plans(writer: CheckpointWriter, request: SaveRequest, group: An
         agreed = agree_gcds(local, group)  # every rank takes part, failed or not
         if error is None:
             try:
-                plan = plan_rank(leaves, boxes, per_tensor(leaves, agreed), signature, writer,
-                                 rank, world)
+                plan = plan_rank(leaves, boxes, per_tensor(leaves, agreed), signature,
+                                 writer.options, rank, world)
             except Exception as exc:  # reported to rank 0 below
                 error = _error(rank, exc)
     else:
