@@ -31,85 +31,51 @@ def _state(rank: int, rows: list[tuple[int, int]], extra: float = 0.0) -> dict:
             "optim": {"step": t["step"]}, "note": "plain"}
 
 
-def gcd_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """agree_gcds over real ranks: the gcd of each column, 0 where no rank has a value."""
+def scenarios_worker(rank: int, world: int, init_file: str, base: str, out_dir: str) -> None:
+    """The 3-rank scenarios of test_rank_save.py in one job (one spawn: each costs seconds of
+    imports), each with a repository of its own under `base`:
+
+    * gcd: `agree_gcds` of known columns (the gcd, 0 where no rank has a value);
+    * saves: four saves (the 2nd changes emb's values, the 3rd nothing, the 4th its values
+      and the ranks' rows: uneven, then even); per save, chunks written/reused, parents read
+      (`KnownChunks.add_manifest`) and gcd agreements, written to stats-<rank>.json;
+    * failures: rank 1's plan raises after the agreement (then a save succeeds on the same
+      group), rows no rank holds ("gap"), ranks 1 and 2 holding rows 8-12 with other values
+      ("differ"): each must fail on every rank with its message;
+    * tiers: three saves into a near and a far tier, the third writing nothing."""
     with reporting(os.path.join(out_dir, f"r{rank}")):
         _init(rank, world, init_file)
         import torch.distributed as dist
 
-        from ckptstore.training.rank_save import agree_gcds
-
-        local = [[12, 6, 0, 7, 9], [8, 0, 0, 7, 6], [20, 9, 0, 7, 4]][rank]
-        got = agree_gcds(local, dist.group.WORLD)
-        assert got == [4, 3, 0, 7, 1], got
-
-
-def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
-                mode: str) -> None:
-    """mode "even"/"uneven": four saves (the 2nd changes emb's values, the 3rd nothing, the
-    4th changes its values and the ranks' rows);
-    report per save: chunks written/reused, parent reads, gcd rounds. "gap": one save that
-    must fail on every rank. "differ": rank 1 and 2 both hold rows 8-12 with other values.
-    "planfail": rank 1's plan raises after the agreement, then a save that succeeds."""
-    with reporting(os.path.join(out_dir, f"r{rank}")):
-        _init(rank, world, init_file)
         import ckptstore
+        from ckptstore.pipeline.writer import KnownChunks
         from ckptstore.training import rank_save
 
-        rounds = []
+        local = [[12, 6, 0, 7, 9], [8, 0, 0, 7, 6], [20, 9, 0, 7, 4]][rank]
+        got = rank_save.agree_gcds(local, dist.group.WORLD)
+        assert got == [4, 3, 0, 7, 1], got
+
+        rounds: list[int] = []
         real_agree = rank_save.agree_gcds
 
         def counting(local, group):
             rounds.append(len(local))
             return real_agree(local, group)
 
-        rank_save.agree_gcds = counting
-        mgr = ckptstore.CheckpointManager(root, keep_last=5, chunk_bytes=16 * 1024)
-        reads: list[str] = []  # parents read to know their chunks (KnownChunks.add_manifest)
-        from ckptstore.pipeline.writer import KnownChunks
-
+        reads: list[str] = []
         real_add = KnownChunks.add_manifest
 
         def counting_add(self, manifest):
             reads.append(manifest.name)
             return real_add(self, manifest)
 
+        rank_save.agree_gcds = counting
         KnownChunks.add_manifest = counting_add
-        if mode == "planfail":  # rank 1's plan fails after the agreement: all raise it
-            real_plan = rank_save.plan_rank
-
-            def failing_plan(*args, **kwargs):
-                if rank == 1:
-                    raise RuntimeError("plan exploded on rank 1")
-                return real_plan(*args, **kwargs)
-
-            rank_save.plan_rank = failing_plan
-            try:
-                mgr.save(1, _state(rank, ROWS["uneven"]))
-                raise AssertionError("a save whose plan failed on a rank succeeded")
-            except ckptstore.CkptStoreError as exc:
-                assert "plan exploded on rank 1" in str(exc), str(exc)
-            rank_save.plan_rank = real_plan
-            mgr.save(2, _state(rank, ROWS["uneven"]))  # the group is still usable
-            assert [c.name for c in mgr.repo.list()] == ["step-2"]
-            mgr.close()
-            return
-        if mode in ("gap", "differ"):
-            rows = ROWS["gap"] if mode == "gap" else [(0, 5), (5, 12), (8, 12)]
-            state = _state(rank, rows, extra=float(rank) if mode == "differ" else 0.0)
-            try:
-                mgr.save(1, state)
-                raise AssertionError("a save whose shards are wrong succeeded")
-            except ckptstore.CkptStoreError as exc:
-                want = "do not cover" if mode == "gap" else "hold different values"
-                assert want in str(exc) and "model.emb" in str(exc), str(exc)
-            assert mgr.repo.list() == [], mgr.repo.list()
-            mgr.close()
-            return
+        mgr = ckptstore.CheckpointManager(os.path.join(base, "saves"), keep_last=5,
+                                          chunk_bytes=16 * 1024)
         report = []
-        other = ROWS["uneven" if mode == "even" else "even"]
-        for step, extra, rows in ((1, 0.0, ROWS[mode]), (2, 1.0, ROWS[mode]),
-                                  (3, 1.0, ROWS[mode]), (4, 2.0, other)):
+        for step, extra, rows in ((1, 0.0, ROWS["uneven"]), (2, 1.0, ROWS["uneven"]),
+                                  (3, 1.0, ROWS["uneven"]), (4, 2.0, ROWS["even"])):
             reads.clear()
             rounds.clear()
             info = mgr.save(step, _state(rank, rows, extra))
@@ -118,6 +84,47 @@ def save_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
         mgr.close()
         with open(os.path.join(out_dir, f"stats-{rank}.json"), "w") as f:
             json.dump(report, f)
+
+        mgr = ckptstore.CheckpointManager(os.path.join(base, "planfail"),
+                                          chunk_bytes=16 * 1024)
+        real_plan = rank_save.plan_rank
+
+        def failing_plan(*args, **kwargs):
+            if rank == 1:
+                raise RuntimeError("plan exploded on rank 1")
+            return real_plan(*args, **kwargs)
+
+        rank_save.plan_rank = failing_plan
+        try:
+            mgr.save(1, _state(rank, ROWS["uneven"]))
+            raise AssertionError("a save whose plan failed on a rank succeeded")
+        except ckptstore.CkptStoreError as exc:
+            assert "plan exploded on rank 1" in str(exc), str(exc)
+        rank_save.plan_rank = real_plan
+        mgr.save(2, _state(rank, ROWS["uneven"]))  # the group is still usable
+        mgr.close()
+
+        for mode, rows, want in (("gap", ROWS["gap"], "do not cover"),
+                                 ("differ", [(0, 5), (5, 12), (8, 12)],
+                                  "hold different values")):
+            mgr = ckptstore.CheckpointManager(os.path.join(base, mode), chunk_bytes=16 * 1024)
+            try:
+                mgr.save(1, _state(rank, rows, float(rank) if mode == "differ" else 0.0))
+                raise AssertionError(f"a save whose shards are wrong ({mode}) succeeded")
+            except ckptstore.CkptStoreError as exc:
+                assert want in str(exc) and "model.emb" in str(exc), str(exc)
+            mgr.close()
+
+        mgr = ckptstore.CheckpointManager([os.path.join(base, "near"),
+                                           os.path.join(base, "far")],
+                                          keep_last=[3, 3], every=[1, 1],
+                                          chunk_bytes=16 * 1024)
+        for step, extra in ((1, 0.0), (2, 1.0), (3, 1.0)):
+            info = mgr.save(step, _state(rank, ROWS["uneven"], extra))
+            if step == 3:
+                assert info.chunks_written == 0, info  # all remembered from step 2
+        mgr.wait()
+        mgr.close()
 
 
 def hsdp_truth() -> dict[str, torch.Tensor]:
@@ -210,24 +217,6 @@ def crash_main(rank: int, world: int, init_file: str, root: str, kill_rank: int,
     mgr.close()
     dist.barrier()
     dist.destroy_process_group()
-
-
-def tiers_worker(rank: int, world: int, init_file: str, near: str, far: str,
-                 out_dir: str) -> None:
-    """Three saves by rank plans into a near and a far tier (every save to both); the second
-    and third reuse each rank's remembered chunks; rank 0 waits for the replication."""
-    with reporting(os.path.join(out_dir, f"r{rank}")):
-        _init(rank, world, init_file)
-        import ckptstore
-
-        mgr = ckptstore.CheckpointManager([near, far], keep_last=[3, 3], every=[1, 1],
-                                          chunk_bytes=16 * 1024)
-        for step, extra in ((1, 0.0), (2, 1.0), (3, 1.0)):
-            info = mgr.save(step, _state(rank, ROWS["uneven"], extra))
-            if step == 3:
-                assert info.chunks_written == 0, info  # all remembered from step 2
-        mgr.wait()
-        mgr.close()
 
 
 def s3_worker(rank: int, world: int, init_file: str, uri: str, endpoint: str,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from ckptstore.pipeline.rank_planning import (
     replicated_owners,
 )
 from tests import rank_save_worker
+from tests.conftest import new_bucket_uri
 from tests.helpers import spawn_ranks
 
 
@@ -148,21 +150,33 @@ def _spawn(fn, world, tmp_path, tag, args):
     spawn_ranks(fn, world, tmp_path, tag, args, lambda rank: f"r{rank}")
 
 
-def test_agree_gcds_on_three_ranks(tmp_path):
-    _spawn(rank_save_worker.gcd_worker, 3, tmp_path, "gcd", lambda init, out: (3, init, out))
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> Path:
+    """One 3-rank job running every scenario of rank_save_worker.scenarios_worker (each
+    spawn costs seconds of imports); the tests below read what it left. A scenario whose
+    assertions fail inside a rank fails this fixture, and so every test using it."""
+    tmp = tmp_path_factory.mktemp("rank-scenarios")
+    base = tmp / "repos"
+    base.mkdir()
+    _spawn(rank_save_worker.scenarios_worker, 3, tmp, "scenarios",
+           lambda init, out: (3, init, str(base), out))
+    return tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["even", "uneven"])
-def test_three_ranks_save_by_their_own_plans_reuse_without_reading_back(tmp_path, mode):
+def test_agree_gcds_on_three_ranks(scenarios):
+    """agree_gcds over real ranks returned the gcd of each column (checked in the ranks)."""
+    assert all((scenarios / "out-scenarios" / f"r{r}").read_text() == "ok" for r in range(3))
+
+
+@pytest.mark.slow
+def test_three_ranks_save_by_their_own_plans_reuse_without_reading_back(scenarios):
     """Four saves on 3 ranks: each commits a version-3 manifest that loads whole in one
     process; the 2nd and 3rd reuse the parent's chunks from each rank's memory (no rank
     reads the parent) and the cached plan (no gcd round); the 3rd writes no chunk; the 4th,
-    with other rows per rank, plans again."""
-    root = tmp_path / "repo"
-    _spawn(rank_save_worker.save_worker, 3, tmp_path, "save",
-           lambda init, out: (3, init, str(root), out, mode))
-    stats = [json.loads((tmp_path / "out-save" / f"stats-{r}.json").read_text())
+    with other rows per rank (uneven, then even), plans again."""
+    root = scenarios / "repos" / "saves"
+    stats = [json.loads((scenarios / "out-scenarios" / f"stats-{r}.json").read_text())
              for r in range(3)]
     for rank, per_save in enumerate(stats):
         first, second, third, fourth = per_save
@@ -192,15 +206,29 @@ def test_three_ranks_save_by_their_own_plans_reuse_without_reading_back(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["gap", "differ", "planfail"])
-def test_shards_that_leave_rows_unheld_or_disagree_commit_nothing(tmp_path, mode):
+def test_shards_that_leave_rows_unheld_or_disagree_commit_nothing(scenarios, mode):
     """Rows no rank holds, copies that differ, or a rank whose plan fails after the
-    agreement: every rank raises the same error and nothing is committed (with "planfail"
-    the next save goes through on the same group)."""
-    root = tmp_path / "repo"
-    _spawn(rank_save_worker.save_worker, 3, tmp_path, mode,
-           lambda init, out: (3, init, str(root), out, mode))
-    names = [c.name for c in CheckpointStore(root, create=False).list()]
+    agreement: every rank raised the same error (checked in the ranks) and nothing was
+    committed (with "planfail" the next save went through on the same group)."""
+    names = [c.name for c in CheckpointStore(scenarios / "repos" / mode, create=False).list()]
     assert names == (["step-2"] if mode == "planfail" else [])
+
+
+@pytest.mark.slow
+def test_a_save_by_rank_plans_replicates_whole_to_a_far_tier(scenarios):
+    """Segments built by several ranks are blobs like any other: the far tier received every
+    one of them, and the far copy alone loads and verifies (the third save wrote nothing:
+    checked in the ranks)."""
+    repo = CheckpointStore(scenarios / "repos" / "far", create=False)
+    assert [c.name for c in repo.list()] == ["step-1", "step-2", "step-3"]
+    t = rank_save_worker.truth()
+    for step, extra in ((1, 0.0), (3, 1.0)):
+        state = repo.load(f"step-{step}")
+        assert torch.equal(state["model"]["emb"], t["emb"] + extra)
+        assert torch.equal(state["model"]["rep"], t["rep"])
+        assert repo.verify(f"step-{step}").ok
+        assert repo.manifest(f"step-{step}").version == SEGMENTED_VERSION
+    repo.close()
 
 
 @pytest.mark.slow
@@ -227,31 +255,13 @@ def test_hsdp_copies_of_a_shard_share_its_writing(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_save_by_rank_plans_replicates_whole_to_a_far_tier(tmp_path):
-    """Segments built by several ranks are blobs like any other: the far tier receives every
-    one of them, and the far copy alone loads and verifies."""
-    near, far = tmp_path / "near", tmp_path / "far"
-    _spawn(rank_save_worker.tiers_worker, 3, tmp_path, "tiers",
-           lambda init, out: (3, init, str(near), str(far), out))
-    repo = CheckpointStore(far, create=False)
-    assert [c.name for c in repo.list()] == ["step-1", "step-2", "step-3"]
-    t = rank_save_worker.truth()
-    for step, extra in ((1, 0.0), (3, 1.0)):
-        state = repo.load(f"step-{step}")
-        assert torch.equal(state["model"]["emb"], t["emb"] + extra)
-        assert torch.equal(state["model"]["rep"], t["rep"])
-        assert repo.verify(f"step-{step}").ok
-        assert repo.manifest(f"step-{step}").version == SEGMENTED_VERSION
-    repo.close()
-
-
-@pytest.mark.slow
-def test_rank_plans_on_s3_servers(tmp_path, s3_endpoint, s3_any_uri):
-    """The same protocol against moto and SeaweedFS: segments put by builders, the root
-    created create-only by rank 0, and nothing rewritten by the second save."""
+def test_rank_plans_on_a_real_s3_server(tmp_path, seaweedfs_endpoint):
+    """The same protocol against SeaweedFS: segments put by builders, the root created
+    create-only by rank 0, and nothing rewritten by the second save."""
+    uri = new_bucket_uri(seaweedfs_endpoint)
     _spawn(rank_save_worker.s3_worker, 3, tmp_path, "s3",
-           lambda init, out: (3, init, s3_any_uri, s3_endpoint, out))
-    repo = CheckpointStore(s3_any_uri, endpoint_url=s3_endpoint, create=False)
+           lambda init, out: (3, init, uri, seaweedfs_endpoint, out))
+    repo = CheckpointStore(uri, endpoint_url=seaweedfs_endpoint, create=False)
     t = rank_save_worker.truth()
     state = repo.load("step-2")
     assert torch.equal(state["model"]["emb"], t["emb"])
