@@ -269,3 +269,12 @@ def index_blobs(manifest: Any) -> list[Any]:
         if method is not None:
             return list(method())
     return []
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .common import Ctx, run_child, run_worker, timed
+from .common import Ctx, fsync_path, run_child, run_worker, timed
 from .manifest import typical_key
 from .states import build, tensors
 
@@ -143,22 +143,14 @@ def best_capped(reps: int, fn: Callable[[], Any]) -> dict[str, Any]:
     return {"best_s": min(times), "times_s": times}
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(folder: Path) -> None:
     """fsync every file under `folder`, every folder in it, the folder and its parent (what a
     durable save of a renamed folder needs)."""
     for root, _dirs, files in os.walk(folder):
         for f in files:
-            _fsync_path(Path(root) / f)
-        _fsync_path(Path(root))
-    _fsync_path(folder.parent)
+            fsync_path(Path(root) / f)
+        fsync_path(Path(root))
+    fsync_path(folder.parent)
 
 
 def disk_bytes(folder: Path) -> int:

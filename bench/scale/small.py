@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .common import Ctx, MiB, best, profiled, run_worker
+from .common import Ctx, MiB, best, fsync_path, profiled, run_worker
 from .states import build_small
 
 BATCH = 1024  # buffers per writev/preadv (IOV_MAX)
@@ -38,14 +38,6 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             raise OSError("short writev")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def raw_write_one(folder: Path, views: list[memoryview]) -> None:
     fd = os.open(folder / "all.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -53,7 +45,7 @@ def raw_write_one(folder: Path, views: list[memoryview]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(folder)
+    fsync_path(folder)
 
 
 def raw_write_files(folder: Path, views: list[memoryview]) -> None:
@@ -65,7 +57,7 @@ def raw_write_files(folder: Path, views: list[memoryview]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    _fsync_dir(folder)
+    fsync_path(folder)
 
 
 def raw_read(folder: Path, views: list[memoryview]) -> None:

@@ -35,7 +35,7 @@ from ckptstore.healing.snapshot import checkpoint_name
 from ckptstore.pipeline.device import FakeDevice
 from ckptstore.torchft import HealError, Transport
 
-from .test_torchft import T, _flip_all, new, same, transports  # noqa: F401 - a fixture
+from .test_torchft import T, _flip_all, new, same
 
 CHUNK = 256 << 10  # the smallest chunk_bytes (the pack threshold): many chunks, small state
 
@@ -85,7 +85,7 @@ def ups_issued(dev: FakeDevice) -> int:
 
 
 def test_a_device_state_heals_bit_exactly_into_device_tensors(
-        dev: FakeDevice, transports: list[Transport]) -> None:  # noqa: F811
+        dev: FakeDevice, transports: list[Transport]) -> None:
     state = device_state(dev)
     budget = 4 * CHUNK
     sender = new(transports, chunk_bytes=CHUNK, device_host_bytes=budget)
@@ -113,7 +113,7 @@ def test_a_device_state_heals_bit_exactly_into_device_tensors(
 
 
 def test_the_senders_host_memory_stays_within_its_budget(
-        dev: FakeDevice, transports: list[Transport]) -> None:  # noqa: F811
+        dev: FakeDevice, transports: list[Transport]) -> None:
     g = torch.Generator().manual_seed(1)
     state = {f"w{i}": torch.rand(512, 512, generator=g) for i in range(8)}  # 8 MiB, 32 chunks
     state.update({f"s{i}": torch.rand(1000, generator=g) for i in range(40)})  # packed
@@ -144,7 +144,7 @@ def test_the_senders_host_memory_stays_within_its_budget(
 
 
 def test_a_corrupt_chunk_never_reaches_a_device_tensor(
-        dev: FakeDevice, transports: list[Transport]) -> None:  # noqa: F811
+        dev: FakeDevice, transports: list[Transport]) -> None:
     state = device_state(dev)
     sender = new(transports, chunk_bytes=CHUNK, serve_hook=_flip_all)
     sender.send_checkpoint([1], 2, state, T)
@@ -161,7 +161,7 @@ def test_a_corrupt_chunk_never_reaches_a_device_tensor(
 
 
 def test_a_chunk_corrupted_once_is_fetched_again_and_lands_verified(
-        dev: FakeDevice, transports: list[Transport]) -> None:  # noqa: F811
+        dev: FakeDevice, transports: list[Transport]) -> None:
     lock = threading.Lock()
     flipped: list[str] = []
 
@@ -190,7 +190,7 @@ def test_a_chunk_corrupted_once_is_fetched_again_and_lands_verified(
 
 
 def test_a_device_destination_holding_the_chunks_is_used_in_place(
-        dev: FakeDevice, transports: list[Transport]) -> None:  # noqa: F811
+        dev: FakeDevice, transports: list[Transport]) -> None:
     g = torch.Generator().manual_seed(3)
     base = {f"base{i}": torch.rand(512, 512, generator=g) for i in range(4)}  # frozen, 4 MiB
     state = {**base, "lora": torch.rand(512, 8, generator=g)}
@@ -212,7 +212,7 @@ def test_a_device_destination_holding_the_chunks_is_used_in_place(
 
 
 def test_disallow_then_a_state_change_does_not_leak_into_the_transfer(
-        dev: FakeDevice, transports: list[Transport]) -> None:  # noqa: F811
+        dev: FakeDevice, transports: list[Transport]) -> None:
     reads: list[float] = []
 
     def slow(d: str, offset: int, data: memoryview) -> None:
@@ -249,7 +249,7 @@ def test_disallow_then_a_state_change_does_not_leak_into_the_transfer(
 
 
 def test_a_state_changed_while_served_fails_the_receive(
-        dev: FakeDevice, transports: list[Transport]) -> None:  # noqa: F811
+        dev: FakeDevice, transports: list[Transport]) -> None:
     state = device_state(dev)
     sender = new(transports, chunk_bytes=CHUNK)
     sender.send_checkpoint([1], 4, state, T)
@@ -265,7 +265,7 @@ def test_a_state_changed_while_served_fails_the_receive(
 
 
 def test_a_failing_device_copy_on_the_sender_is_one_clear_error(
-        dev: FakeDevice, transports: list[Transport]) -> None:  # noqa: F811
+        dev: FakeDevice, transports: list[Transport]) -> None:
     state = device_state(dev)
     sender = new(transports, chunk_bytes=CHUNK)
     sender.send_checkpoint([1], 4, state, T)

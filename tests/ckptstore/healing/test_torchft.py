@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 import unittest
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -53,14 +52,6 @@ def same(a: Any, b: Any, path: str = "") -> None:
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
     else:
         assert a == b, (path, a, b)
-
-
-@pytest.fixture
-def transports() -> Iterator[list[Transport]]:
-    made: list[Transport] = []
-    yield made
-    for t in made:
-        t.shutdown(wait=False)
 
 
 def new(made: list[Transport], **kw: Any) -> Transport:

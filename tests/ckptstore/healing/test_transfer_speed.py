@@ -10,7 +10,6 @@ import os
 import resource
 import socket
 import sys
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -25,14 +24,6 @@ from ckptstore.torchft import Transport
 
 T = timedelta(seconds=20)
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise")
-
-
-@pytest.fixture
-def transports() -> Iterator[list[Transport]]:
-    made: list[Transport] = []
-    yield made
-    for t in made:
-        t.shutdown(wait=False)
 
 
 def _minor_faults() -> int:
