@@ -165,6 +165,9 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         self._hash_workers = hash_workers
         self._huge_pages = bool(huge_pages)
         self._send_lock = threading.Lock()
+        #: receives in progress (shutdown unpins the receive slots once none is)
+        self._receiving = 0
+        self._recv_done = threading.Condition()
         self._server = HealServer(host, port, self._timeout, serve_hook)
         self._closed = False
         #: the last receive's figures (None before the first)
@@ -215,6 +218,19 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         partial is returned."""
         seconds = _seconds(timeout, "timeout")
         address = parse_address(metadata)
+        with self._recv_done:
+            if self._closed:
+                raise HealError("this transport was shut down")
+            self._receiving += 1
+        try:
+            return self._receive(src_rank, address, step, seconds)
+        finally:
+            with self._recv_done:
+                self._receiving -= 1
+                self._recv_done.notify_all()
+
+    def _receive(self, src_rank: int, address: Any, step: int, seconds: float
+                 ) -> dict[str, Any]:
         receive = Receive(address, int(step), seconds, algorithm=self._algorithm,
                           destinations=self._destinations, local=self._local_chunks(),
                           workers=self._workers, retries=self._retries,
@@ -229,13 +245,30 @@ class Transport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         return result
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop serving and close the server (with `wait`, after the running transfers)."""
-        if self._closed:
-            return
-        self._closed = True
+        """Stop serving and close the server (with `wait`, after the running transfers), then
+        unpin the page-locked slots of device tensors once no transfer uses them (without
+        `wait`, in the background). Later sends and receives raise HealError."""
+        with self._recv_done:
+            if self._closed:
+                return
+            self._closed = True
         if wait:
             self._server.state.withdraw(self._timeout)
-        self._server.close(wait)
+            self._server.close(wait)
+            self._unpin()
+        else:
+            self._server.close(wait)
+            threading.Thread(target=self._unpin, name="ckpt-heal-unpin", daemon=True).start()
+
+    def _unpin(self) -> None:
+        """Unpin both stagings' slots once nothing copies through them: the server is closed
+        (no request reads a send slot), and a receive in progress has ended."""
+        self._server.state.withdraw(self._timeout)
+        with self._send_lock:
+            self._send_staging.release()
+        with self._recv_done:
+            self._recv_done.wait_for(lambda: self._receiving == 0)
+            self._recv_staging.release()
 
     # ------------------------------------------------------------------ extras
     @property

@@ -274,3 +274,56 @@ def test_a_failing_device_copy_on_the_sender_is_one_clear_error(
     with pytest.raises(HealError, match="could not read step 4: .*FakeDeviceError"):
         receiver.recv_checkpoint(0, sender.metadata(), 4, T)
     dev.heal()
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_shutdown_unpins_every_slot_once_no_transfer_uses_it(
+        dev: FakeDevice, transports: list[Transport], wait: bool) -> None:
+    state = device_state(dev)
+    sender = new(transports, chunk_bytes=CHUNK, device_host_bytes=4 * CHUNK)
+    receiver = new(transports, chunk_bytes=CHUNK)
+    sender.send_checkpoint([1], 7, state, T)
+    same(receiver.recv_checkpoint(0, sender.metadata(), 7, T), state)
+    assert dev.pinned_bytes > 0  # both sides' slots are page-locked and kept between steps
+    pinned = dev.pinned_bytes
+
+    receiver.shutdown(wait)
+    with pytest.raises(HealError, match="shut down"):
+        receiver.recv_checkpoint(0, sender.metadata(), 7, T)
+    sender.shutdown(wait)
+    deadline = time.monotonic() + 10
+    while dev.pinned_bytes and time.monotonic() < deadline:  # wait=False unpins behind
+        time.sleep(0.01)
+    assert dev.pinned_bytes == 0, f"{dev.pinned_bytes} of {pinned} bytes still page-locked"
+    with pytest.raises(HealError, match="shut down"):
+        sender.send_checkpoint([1], 8, state, T)
+
+
+def test_shutdown_waits_for_a_receive_in_progress_before_unpinning(
+        dev: FakeDevice, transports: list[Transport]) -> None:
+    g = torch.Generator().manual_seed(2)
+    state = {"model": {f"w{i}": torch.rand(512, 512, generator=g) for i in range(4)}}
+    sender = new(transports, chunk_bytes=CHUNK)  # a host state: only the receiver's copies
+    model = zeros_on(dev, state["model"])
+    receiver = new(transports, chunk_bytes=CHUNK, destinations=lambda: {"model": model})
+    sender.send_checkpoint([1], 7, state, T)
+    dev.pause()  # the receive's copies (in-place checks, then copies up) wait until resumed
+    got: list[Any] = []
+    worker = threading.Thread(target=lambda: got.append(
+        receiver.recv_checkpoint(0, sender.metadata(), 7, T)))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not dev.pending_copies() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert dev.pending_copies()
+    receiver.shutdown(wait=False)
+    time.sleep(0.2)
+    assert dev.pinned_bytes > 0  # a copy through a slot is still in flight: kept pinned
+    dev.resume()
+    worker.join(10)
+    same(got[0], state)
+    deadline = time.monotonic() + 10
+    while dev.pinned_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sender.shutdown()
+    assert dev.pinned_bytes == 0
