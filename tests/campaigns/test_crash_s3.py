@@ -37,7 +37,10 @@ def test_sigkill_mid_save_to_s3_leaves_only_whole_checkpoints(s3_any_uri: str, s
         finally:
             err = reap(proc, 60)
         assert proc.returncode == -signal.SIGKILL, err
-    repo = CheckpointStore(s3_any_uri, endpoint_url=s3_endpoint, create=False)
+    # the killed writer's requests reach a server on 127.0.0.1 within milliseconds: gc waits
+    # 3 s for them to land here (15 s by default, for remote servers) before it lists
+    repo = CheckpointStore(s3_any_uri, endpoint_url=s3_endpoint, create=False,
+                           in_flight_settle=3.0)
     infos = repo.list()
     assert len(infos) >= 1  # odd steps are save_async: printed before their commit
     for info in infos:

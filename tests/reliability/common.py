@@ -49,7 +49,7 @@ class Profile:
 
 
 QUICK = Profile(
-    name="quick", kills_local=20, kills_s3=10, kill_delay=(0.05, 0.6), powerloss_sequences=1,
+    name="quick", kills_local=20, kills_s3=7, kill_delay=(0.05, 0.6), powerloss_sequences=1,
     powerloss_eager_every=3, powerloss_teeth_all=False,
     s3_rounds=4, s3_rates=(0.0, 0.01, 0.05, 0.20), seaweed_rounds=2, corruption_mutations=320,
     manifest_flips=400, manifest_cuts=60, sm_examples=20, sm_steps=25)

@@ -138,5 +138,10 @@ def test_torch_workers_len_and_persistent_workers(uri: str) -> None:
     assert ds2.state_dict(consumed=N) == {**ds2.state_dict(), "epoch": 1}  # the end: next epoch
     keep = torch.utils.data.DataLoader(ds2, batch_size=B, num_workers=2, persistent_workers=True)
     assert sorted(int(x) for b in keep for x in b["_index"]) == list(range(N))
-    with pytest.raises(ValueError, match="persistent_workers=True"):
-        list(keep)
+    try:
+        with pytest.raises(ValueError, match="persistent_workers=True"):
+            list(keep)
+    finally:
+        # its workers stay up for the next epoch; stop them now (torch's own cleanup), or the
+        # garbage collector does it in a later test, waiting 5 s for each worker
+        keep._iterator._shutdown_workers()  # type: ignore[union-attr]
