@@ -21,6 +21,10 @@ What is run, as each rank runs it, and timed (seconds of one call in this proces
 3. commit: `commit_root` on rank 0 with the W records the gather would bring (its bytes =
    W x the longest record, as gather_json pads them), writing the tree blob and creating the
    root in the local folder. The committed root is parsed back and one tensor entry read.
+4. restore: rank W/2's restore plan from the committed manifest, parsed again (its
+   segments from the folder, in the page cache): every entry read, the chunks holding its
+   rows found and their references built, as a load into its Shards does before it reads
+   data (`_restore_refs`).
 
 Not simulated: the chunk writes (no tensor bytes), the network time of the collectives
 (only their bytes are counted), the broadcast of the outcome.
@@ -107,6 +111,19 @@ def _my_refs(plan: Any, boxes: list[Any], itemsize: list[int]
             n = g.chunk_bytes(c, itemsize[i])
             out[(i, c)] = ChunkRef(digest, 0, n, n, digest)
     return out
+
+
+def _restore_refs(manifest: Any, world: int, rank: int) -> int:
+    """What a load of rank `rank`'s rows of every tensor does before reading data: read the
+    entries (every segment: each holds part of every rank's rows), find the chunks holding
+    its rows and build their references. Returns how many it built."""
+    refs = []
+    for e in manifest.tensors:
+        start, count = shard_rows(e.shape[0], world, rank) if e.shape else (0, 1)
+        if count:
+            first, last = start // e.chunk_rows, -(-(start + count) // e.chunk_rows)
+            refs += [e.chunks[i] for i in range(first, min(last, len(e.chunks)))]
+    return len(refs)
 
 
 def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
@@ -206,6 +223,11 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
         last = manifest.tensors[len(manifest.tensors) - 1]  # reads one segment
         out["read_back"] = last.key == leaves0[-1].key and len(last.chunks) == \
             plan0.grids[-1].chunks
+        t0 = time.perf_counter()
+        out["restore_refs"] = _restore_refs(
+            parse_manifest(body, "sim", options.hash, segments_in([store], options.hash)),
+            world, world // 2)
+        out["restore_plan_s"] = time.perf_counter() - t0
     out["per_rank_total_s"] = out["per_rank_s"] + out["build_s_max"]
     return out
 

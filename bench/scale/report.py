@@ -76,6 +76,15 @@ def tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                  _s(p["load_new"]["best_s"]), f"{p['ratio_load_new']:.3f}"],
                 ["load (into=)", _s(p["raw_read_into"]["best_s"]),
                  _s(p["load_into"]["best_s"]), f"{p['ratio_load_into']:.3f}"]]
+        if "floor_views_digest" in p:  # results from before the floor was measured lack it
+            rows += [["per-tensor floor: walk the dict", "", _s(p["floor_walk"]["best_s"]), ""],
+                     ["per-tensor floor: views", "", _s(p["floor_views"]["best_s"]), ""],
+                     ["per-tensor floor: views + digest", "",
+                      _s(p["floor_views_digest"]["best_s"]), ""],
+                     ["best save a per-tensor store reaches", "", "",
+                      f"{p['floor_ratio_save']:.3f}"],
+                     ["best load (into=) a per-tensor store reaches", "", "",
+                      f"{p['floor_ratio_load_into']:.3f}"]]
         out.append((f"small: {p['tensors']:,} tensors of 1 KiB ({_mib(p['bytes'])})",
                     ["operation", "raw limit", "ckptstore", "raw / ckptstore"], rows))
     if "ls" in parts:
@@ -131,7 +140,8 @@ def tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                  _s(r["plan_s"]), _s(r["per_rank_s"]), f"{r['segments']:,}",
                  _s(r["build_s_max"]), _mib(r["build_received_max"]), _mib(r["gather_bytes"]),
                  _s(r["commit_s"]), _mib(r.get("manifest_bytes", 0)), _mib(r["index_bytes"]),
-                 "yes" if r.get("committed") and r.get("read_back") else "NO"]
+                 "yes" if r.get("committed") and r.get("read_back") else "NO",
+                 _s(r["restore_plan_s"]) if "restore_plan_s" in r else ""]
                 for r in [*by_rank, *([big] if big else [])]]
         if rows:
             out.append(("collective by rank plans (training/rank_save.py), the same states "
@@ -139,7 +149,8 @@ def tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                         "0's commit",
                         ["ranks", "chunks", "plan", "per rank (plan + send)", "segments",
                          "busiest builder", "its rows in", "gathered by rank 0",
-                         "rank-0 commit", "root", "index blobs", "committed, read back"],
+                         "rank-0 commit", "root", "index blobs", "committed, read back",
+                         "a rank's restore plan"],
                         rows))
         real, sim = p.get("real"), p.get("real_simulated")
         if real and sim:

@@ -19,7 +19,9 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, overload
+
+import numpy as np
 
 from ..collector import paused_collector
 from ..errors import FormatError
@@ -27,7 +29,14 @@ from .canonical import canonical_str, seal
 from .codecs import Codec
 from .dtypes import DTYPES, DType
 from .hashing import HASH_NAME, hash_algorithm
-from .segment_encoding import ChunkTable, IndexBlob, SegmentRef, TreeRef, segment_blobs
+from .segment_encoding import (
+    DIGEST_BYTES,
+    ChunkTable,
+    IndexBlob,
+    SegmentRef,
+    TreeRef,
+    segment_blobs,
+)
 from .tree_pages import paginate
 
 _json_str = json.encoder.encode_basestring  # json.dumps' string writer (ensure_ascii=False)
@@ -66,6 +75,75 @@ class ChunkRef:
                 "nbytes": self.nbytes, "digest": self.digest}
 
 
+class ChunkRows(Sequence[ChunkRef]):
+    """The chunk references of one tensor entry as views of an index segment's columns
+    (segments.py): chunk j's ChunkRef is built when it is used. A reader that needs a few
+    chunks of a tensor held in thousands (a rank's own part of a sharded checkpoint) builds
+    a few objects, not one per chunk. Equal to any sequence of the same ChunkRefs; its rules
+    are checked on the columns at once (`first_bad`, for `entry_problem`)."""
+
+    __slots__ = ("_blobs", "_digests", "_index", "_nbytes", "_offsets", "_sizes")
+
+    def __init__(self, blobs: Sequence[str], columns: Sequence[np.ndarray],
+                 digests: bytes | memoryview) -> None:
+        """`columns`: blob index (into `blobs`), offset, size, nbytes of each chunk;
+        `digests`: their raw digests, 16 bytes each, in order."""
+        self._blobs = blobs
+        self._index, self._offsets, self._sizes, self._nbytes = columns
+        self._digests = digests
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @overload
+    def __getitem__(self, j: int) -> ChunkRef: ...
+    @overload
+    def __getitem__(self, j: slice) -> tuple[ChunkRef, ...]: ...
+
+    def __getitem__(self, j: int | slice) -> ChunkRef | tuple[ChunkRef, ...]:
+        if isinstance(j, slice):
+            return tuple(self[k] for k in range(*j.indices(len(self))))
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(j)
+        w = DIGEST_BYTES
+        return ChunkRef(self._blobs[int(self._index[j])], int(self._offsets[j]),
+                        int(self._sizes[j]), int(self._nbytes[j]),
+                        self._digests[j * w:(j + 1) * w].hex())
+
+    def __iter__(self) -> Iterator[ChunkRef]:
+        names, raw, w = self._blobs, self._digests.hex(), 2 * DIGEST_BYTES
+        columns = zip(self._index.tolist(), self._offsets.tolist(), self._sizes.tolist(),
+                      self._nbytes.tolist())
+        for j, (b, offset, size, nbytes) in enumerate(columns):
+            yield ChunkRef(names[b], offset, size, nbytes, raw[j * w:(j + 1) * w])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or len(other) != len(self):
+            return False
+        return all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"ChunkRows({len(self)} chunks)"
+
+    def first_bad(self, want: np.ndarray, codec: Codec | None) -> int | None:
+        """The first chunk breaking a rule `_chunk_problem` states (its ranges, `want[j]` raw
+        bytes, stored size against its codec), or None."""
+        offsets, sizes, nbytes = self._offsets, self._sizes, self._nbytes
+        bad = ((offsets > _HI) | (sizes > 2 * MAX_CHUNK_BYTES) | (nbytes > MAX_CHUNK_BYTES)
+               | (nbytes != want))
+        if codec is None:
+            bad |= sizes != nbytes
+        else:
+            bad |= (offsets != 0) | (sizes > 2 * nbytes + 65536)
+        found = np.flatnonzero(bad)
+        return int(found[0]) if len(found) else None
+
+
 @dataclass(frozen=True)
 class StorageRef:
     """Tensors sharing one torch storage: the view's element offset and strides into a storage
@@ -95,7 +173,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     chunk_rows: int
     codec: Codec | None
-    chunks: tuple[ChunkRef, ...]
+    chunks: tuple[ChunkRef, ...] | ChunkRows  # ChunkRows: read from an index segment
     requires_grad: bool = False
     parameter: bool = False
     storage: StorageRef | None = None
@@ -546,16 +624,27 @@ def _chunks_problem(e: TensorEntry) -> str | None:
     """The chunk list: count, digests, declared sizes and extents."""
     shape, rows, codec, chunks = e.shape, e.chunk_rows, e.codec, e.chunks
     itemsize = e.dtype.itemsize
-    if type(chunks) is not tuple:
+    if type(chunks) is not tuple and type(chunks) is not ChunkRows:
         return "chunks must be a list"
     grid = e.chunk_shape
     want_count = expected_chunk_count(shape, rows, itemsize, grid)
     if len(chunks) != want_count:
         return (f"{len(chunks)} chunks listed, shape and "
                 f"{'chunk_rows' if grid is None else 'chunk_shape'} give {want_count}")
+    if type(chunks) is ChunkRows:  # a segment's columns: the same rules on every row at once
+        bad = chunks.first_bad(_chunk_sizes(shape, rows, grid, itemsize, want_count), codec)
+        # the first bad chunk's message, as the rules below state it
+        return None if bad is None else _chunk_problems(e, [(bad, chunks[bad])])
+    return _chunk_problems(e, enumerate(chunks))
+
+
+def _chunk_problems(e: TensorEntry, chunks: Iterable[tuple[int, Any]]) -> str | None:
+    """What is wrong with the first of these (index, chunk) of entry `e`, or None."""
+    shape, rows, codec, grid = e.shape, e.chunk_rows, e.codec, e.chunk_shape
+    itemsize = e.dtype.itemsize
     row_bytes = math.prod(shape[1:]) * itemsize
     digests = []
-    for i, c in enumerate(chunks):
+    for i, c in chunks:
         if type(c) is not ChunkRef:
             return f"chunk {i} must be an object"
         blob, dg, offset, size, nbytes = c.blob, c.digest, c.offset, c.size, c.nbytes
@@ -584,6 +673,25 @@ def _chunks_problem(e: TensorEntry) -> str | None:
         bad = next(d for d in digests if _HEX_RUN.fullmatch(d) is None)
         return f"{bad!r:.40} is not an {HASH_NAME} hex digest"
     return None
+
+
+def _chunk_sizes(shape: tuple[int, ...], rows: int, grid: tuple[int, ...] | None,
+                 itemsize: int, count: int) -> np.ndarray:
+    """The raw bytes of each of the `count` chunks of a valid shape and grid, in C order of
+    their grid position (uint64): what `_chunk_problems` computes chunk by chunk."""
+    if not count:
+        return np.zeros(0, np.uint64)
+    if not shape:
+        return np.full(count, itemsize, np.uint64)
+    block = grid if grid is not None else (rows, *shape[1:])
+    per_dim = []
+    for n, c in zip(shape, block):
+        starts = np.arange(-(-n // c), dtype=np.int64) * c
+        per_dim.append(np.minimum(n, starts + c) - starts)
+    sizes = per_dim[0]
+    for extents in per_dim[1:]:
+        sizes = np.multiply.outer(sizes, extents).ravel()
+    return sizes.astype(np.uint64) * np.uint64(itemsize)
 
 
 def _chunk_field_problem(i: int, c: ChunkRef) -> str:

@@ -30,6 +30,7 @@ from .manifest import (
     FORMAT_VERSION,
     SEGMENTED_VERSION,
     ChunkRef,
+    ChunkRows,
     StorageRef,
     TensorEntry,
     entry_problem,
@@ -55,9 +56,32 @@ def version_for(entries: Sequence[TensorEntry]) -> int:
     return SEGMENTED_VERSION if is_segmented(entries) else FORMAT_VERSION
 
 
-def _hexes(raw: bytes) -> list[str]:
+def _hexes(raw: bytes | memoryview) -> list[str]:
     h = raw.hex()
     return [h[i:i + 2 * DIGEST_BYTES] for i in range(0, len(h), 2 * DIGEST_BYTES)]
+
+
+class _HexNames(Sequence[str]):
+    """A blob table's names, each made from its raw digest when it is asked for (a table of
+    a million blobs, of which a reader uses a few)."""
+
+    def __init__(self, raw: memoryview) -> None:
+        self._raw = raw
+
+    def __len__(self) -> int:
+        return len(self._raw) // DIGEST_BYTES
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._raw[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES].hex()
 
 
 def decode(data: bytes, ref: SegmentRef, where: str) -> list[TensorEntry]:
@@ -70,10 +94,10 @@ def decode(data: bytes, ref: SegmentRef, where: str) -> list[TensorEntry]:
 
 
 def _frame(data: bytes, ref: SegmentRef, *, records: bool = True
-           ) -> tuple[list[Any], list[str], int, int]:
+           ) -> tuple[list[Any], memoryview, int, int]:
     """Check a segment's framing against its ref: (tensor records, or [] without `records`:
-    the JSON header is then not parsed; blob table; chunk count; where the chunk columns
-    begin)."""
+    the JSON header is then not parsed; the blob table's raw digests; chunk count; where
+    the chunk columns begin)."""
     if len(data) != ref.size or len(data) < HEADER.size:
         raise FormatError(f"{len(data)} bytes, the root lists {ref.size}")
     magic, hlen, nblobs, nchunks = HEADER.unpack_from(data)
@@ -94,8 +118,8 @@ def _frame(data: bytes, ref: SegmentRef, *, records: bool = True
             raise FormatError("header must be {tensors}")
         if len(found) != ref.tensors:
             raise FormatError(f"holds {len(found)} tensor(s), the root lists {ref.tensors}")
-    blob_names = _hexes(data[pos:pos + nblobs * DIGEST_BYTES])
-    return found, blob_names, nchunks, pos + nblobs * DIGEST_BYTES
+    blob_table = memoryview(data)[pos:pos + nblobs * DIGEST_BYTES]
+    return found, blob_table, nchunks, pos + nblobs * DIGEST_BYTES
 
 
 def _columns(data: bytes, nchunks: int, pos: int, nblobs: int) -> list[np.ndarray]:
@@ -114,7 +138,8 @@ def chunk_table(data: bytes, ref: SegmentRef, where: str) -> ChunkTable:
     without parsing, building or validating its entries: its framing is checked (FormatError,
     prefixed by `where`), the entries' own rules are `decode`'s."""
     try:
-        _records, blob_names, nchunks, pos = _frame(data, ref, records=False)
+        _records, blob_table, nchunks, pos = _frame(data, ref, records=False)
+        blob_names = _hexes(blob_table)
         blob_index, offsets, sizes, _nbytes = _columns(data, nchunks, pos, len(blob_names))
     except FormatError as exc:
         raise FormatError(f"{where}: index segment {ref.digest}: {exc}") from None
@@ -157,7 +182,8 @@ def chunk_columns(data: bytes, ref: SegmentRef, where: str) -> ChunkColumns:
     (FormatError, prefixed by `where`), and a raw chunk must store exactly its raw bytes; the
     entries' other rules are `decode`'s."""
     try:
-        records, blob_names, nchunks, pos = _frame(data, ref)
+        records, blob_table, nchunks, pos = _frame(data, ref)
+        blob_names = _hexes(blob_table)
         columns = _columns(data, nchunks, pos, len(blob_names))
         pos += sum(width for _dtype, width in CHUNK_COLUMNS) * nchunks
         codecs = []
@@ -176,21 +202,38 @@ def chunk_columns(data: bytes, ref: SegmentRef, where: str) -> ChunkColumns:
     return ChunkColumns(blob_names, columns, _hexes(data[pos:]), codecs)
 
 
+#: Entries of more chunks than this keep them as columns (ChunkRows): a ChunkRef is built
+#: only for a chunk that is used. Smaller ones get their ChunkRefs at once (cheaper per entry).
+ROWS_ABOVE = 64
+
+
 def _decode(data: bytes, ref: SegmentRef) -> list[TensorEntry]:
-    records, blob_names, nchunks, pos = _frame(data, ref)
+    records, blob_table, nchunks, pos = _frame(data, ref)
+    blob_names = _HexNames(blob_table)
     arrays = _columns(data, nchunks, pos, len(blob_names))
-    blob_index, offsets, sizes, nbytes = (a.tolist() for a in arrays)
+    lists: list[list[int]] = []  # the columns as lists, made for the first small entry
     pos += sum(width for _dtype, width in CHUNK_COLUMNS) * nchunks
-    digests = _hexes(data[pos:])
+    raw = memoryview(data)[pos:]
+    width = 2 * DIGEST_BYTES
     out: list[TensorEntry] = []
     at = 0
     for i, rec in enumerate(records):
         head, tail, n = _fields(rec, i)
         if at + n > nchunks:
             raise FormatError(f"tensor {i} lists more chunks than the segment holds")
-        chunks = tuple(
-            ChunkRef(blob_names[blob_index[j]], offsets[j], sizes[j], nbytes[j], digests[j])
-            for j in range(at, at + n))
+        digests = raw[at * DIGEST_BYTES:(at + n) * DIGEST_BYTES]
+        chunks: tuple[ChunkRef, ...] | ChunkRows
+        if n > ROWS_ABOVE:
+            chunks = ChunkRows(blob_names, [a[at:at + n] for a in arrays], digests)
+        else:
+            if not lists:
+                lists = [a.tolist() for a in arrays]
+            blob_index, offsets, sizes, nbytes = lists
+            hexes = digests.hex()
+            chunks = tuple(
+                ChunkRef(blob_names[blob_index[j]], offsets[j], sizes[j], nbytes[j],
+                         hexes[(j - at) * width:(j - at + 1) * width])
+                for j in range(at, at + n))
         at += n
         key, kind, dtype, shape, rows, codec = head
         grad, param, storage, grid = tail

@@ -105,7 +105,8 @@ class CheckpointReader:
             want = t.rows or ((0, e.shape[0]) if e.shape else (0, 1))
             if not 0 <= want[0] <= want[1] <= (e.shape[0] if e.shape else 1):
                 raise ValueError(f"rows {want} out of range for {e.key!r} of shape {e.shape}")
-            for i, c in enumerate(e.chunks):
+            for i in _chunks_of_rows(e, want):
+                c = e.chunks[i]
                 start, stop = e.chunk_rows_range(i)
                 a, b = max(start, want[0]), min(stop, want[1])
                 if a >= b:
@@ -248,3 +249,12 @@ def _job_size(job: tuple[Callable[..., None], tuple[Any, ...]]) -> int:
     if isinstance(args[0], _Piece):
         return args[0].chunk.size
     return sum(p.chunk.size for p in args[1])
+
+
+def _chunks_of_rows(e: TensorEntry, rows: tuple[int, int]) -> range:
+    """The chunks of `e` that can hold rows [start, stop) of dim 0: those row blocks alone, so
+    a rank reading its rows of a tensor held in thousands of chunks visits its own few."""
+    if not e.shape or e.is_grid:
+        return range(len(e.chunks))
+    first, last = rows[0] // e.chunk_rows, -(-rows[1] // e.chunk_rows)
+    return range(min(first, len(e.chunks)), min(last, len(e.chunks)))
