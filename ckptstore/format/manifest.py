@@ -75,6 +75,35 @@ class ChunkRef:
                 "nbytes": self.nbytes, "digest": self.digest}
 
 
+#: Entries of more chunks than this, read from an index segment or built from a collective
+#: save's rows, keep them as columns (ChunkRows): a ChunkRef is built only for a chunk that
+#: is used. Smaller ones get their ChunkRefs at once (cheaper for an entry of few chunks).
+ROWS_ABOVE = 64
+
+
+class HexNames(Sequence[str]):
+    """Hex names of raw 16-byte digests (a segment's blob table), each made when it is asked
+    for: a table of a million blobs, of which a reader uses a few."""
+
+    def __init__(self, raw: bytes | memoryview) -> None:
+        self._raw = raw
+
+    def __len__(self) -> int:
+        return len(self._raw) // DIGEST_BYTES
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._raw[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES].hex()
+
+
 class ChunkRows(Sequence[ChunkRef]):
     """The chunk references of one tensor entry as views of an index segment's columns
     (segments.py): chunk j's ChunkRef is built when it is used. A reader that needs a few

@@ -189,12 +189,36 @@ def encode(entries: Sequence[TensorEntry]) -> bytes:
             columns[1].append(c.size)
             columns[2].append(c.nbytes)
             digests.append(c.digest)
+    return _pack(entries, bytes.fromhex("".join(blobs)),
+                 [np.asarray(index, dtype="<u4"), *(np.asarray(col, dtype="<u8")
+                                                    for col in columns)],
+                 bytes.fromhex("".join(digests)))
+
+
+def encode_columns(entries: Sequence[TensorEntry], blobs: np.ndarray, offsets: np.ndarray,
+                   sizes: np.ndarray, nbytes: np.ndarray, digests: np.ndarray) -> bytes:
+    """What `encode(entries)` gives, from the chunks of all `entries` in order as columns:
+    raw blob digests and raw chunk digests (uint8, 16 per row), offset, size, nbytes. The
+    blob table is made as `encode` makes it (distinct blobs in order of first use), so a
+    segment built from rows is the blob a single-process save writes."""
+    rows = np.ascontiguousarray(blobs, dtype=np.uint8).reshape(-1, DIGEST_BYTES)
+    keys = rows.view(np.dtype((np.void, DIGEST_BYTES))).ravel()
+    distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # table order: first use
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order))
+    return _pack(entries, distinct[order].tobytes(),
+                 [position[inverse.ravel()].astype("<u4"), *(np.asarray(c, dtype="<u8")
+                                                            for c in (offsets, sizes, nbytes))],
+                 np.ascontiguousarray(digests, dtype=np.uint8).tobytes())
+
+
+def _pack(entries: Sequence[TensorEntry], table: bytes, columns: list[np.ndarray],
+          digests: bytes) -> bytes:
+    """A segment's bytes: its header records, blob table, chunk columns, chunk digests."""
     header = canonical_str({"tensors": [_record(t) for t in entries]}).encode("utf-8")
-    parts = [HEADER.pack(MAGIC, len(header), len(blobs), len(index)), header,
-             bytes.fromhex("".join(blobs)),
-             np.asarray(index, dtype="<u4").tobytes()]
-    parts += [np.asarray(col, dtype="<u8").tobytes() for col in columns]
-    parts.append(bytes.fromhex("".join(digests)))
+    parts = [HEADER.pack(MAGIC, len(header), len(table) // DIGEST_BYTES, len(columns[0])),
+             header, table, *(c.tobytes() for c in columns), digests]
     data = b"".join(parts)
     if len(data) > MAX_SEGMENT_BYTES:
         raise FormatError(f"an index segment of {len(entries)} tensor(s) would be {len(data)} "

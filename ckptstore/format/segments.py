@@ -28,9 +28,11 @@ from .codecs import Codec, parse_codec
 from .dtypes import DTYPES
 from .manifest import (
     FORMAT_VERSION,
+    ROWS_ABOVE,
     SEGMENTED_VERSION,
     ChunkRef,
     ChunkRows,
+    HexNames,
     StorageRef,
     TensorEntry,
     entry_problem,
@@ -59,29 +61,6 @@ def version_for(entries: Sequence[TensorEntry]) -> int:
 def _hexes(raw: bytes | memoryview) -> list[str]:
     h = raw.hex()
     return [h[i:i + 2 * DIGEST_BYTES] for i in range(0, len(h), 2 * DIGEST_BYTES)]
-
-
-class _HexNames(Sequence[str]):
-    """A blob table's names, each made from its raw digest when it is asked for (a table of
-    a million blobs, of which a reader uses a few)."""
-
-    def __init__(self, raw: memoryview) -> None:
-        self._raw = raw
-
-    def __len__(self) -> int:
-        return len(self._raw) // DIGEST_BYTES
-
-    @overload
-    def __getitem__(self, i: int) -> str: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[str]: ...
-
-    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self._raw[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES].hex()
 
 
 def decode(data: bytes, ref: SegmentRef, where: str) -> list[TensorEntry]:
@@ -202,14 +181,9 @@ def chunk_columns(data: bytes, ref: SegmentRef, where: str) -> ChunkColumns:
     return ChunkColumns(blob_names, columns, _hexes(data[pos:]), codecs)
 
 
-#: Entries of more chunks than this keep them as columns (ChunkRows): a ChunkRef is built
-#: only for a chunk that is used. Smaller ones get their ChunkRefs at once (cheaper per entry).
-ROWS_ABOVE = 64
-
-
 def _decode(data: bytes, ref: SegmentRef) -> list[TensorEntry]:
     records, blob_table, nchunks, pos = _frame(data, ref)
-    blob_names = _HexNames(blob_table)
+    blob_names = HexNames(blob_table)
     arrays = _columns(data, nchunks, pos, len(blob_names))
     lists: list[list[int]] = []  # the columns as lists, made for the first small entry
     pos += sum(width for _dtype, width in CHUNK_COLUMNS) * nchunks

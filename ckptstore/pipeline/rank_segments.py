@@ -15,8 +15,16 @@ import numpy as np
 from ..errors import CkptStoreError
 from ..format.codecs import Codec
 from ..format.leaf import ArrayLeaf
-from ..format.manifest import ChunkRef, StorageRef, TensorEntry, entry_problem
-from ..format.segment_encoding import encode
+from ..format.manifest import (
+    ROWS_ABOVE,
+    ChunkRef,
+    ChunkRows,
+    HexNames,
+    StorageRef,
+    TensorEntry,
+    entry_problem,
+)
+from ..format.segment_encoding import encode_columns
 from .rank_planning import RankPlan, builder_of
 from .writer import CheckpointWriter, storage_refs
 
@@ -61,10 +69,24 @@ def _hex(column: np.ndarray) -> list[str]:
     return [h[k:k + 32] for k in range(0, len(h), 32)]
 
 
+def _chunks(rows: np.ndarray) -> tuple[ChunkRef, ...] | ChunkRows:
+    """The chunk references of one entry from its rows: columns when there are many (no
+    object per chunk, see ChunkRows), ChunkRefs when few."""
+    if len(rows) > ROWS_ABOVE:
+        return ChunkRows(HexNames(rows["blob"].tobytes()),
+                         [np.arange(len(rows)), rows["offset"], rows["size"], rows["nbytes"]],
+                         rows["digest"].tobytes())
+    return tuple(ChunkRef(blob, offset, size, nbytes, digest)
+                 for blob, offset, size, nbytes, digest in zip(
+                     _hex(rows["blob"]), rows["offset"].tolist(), rows["size"].tolist(),
+                     rows["nbytes"].tolist(), _hex(rows["digest"])))
+
+
 def _build_segment(s: int, span: range, rows: np.ndarray, plan: RankPlan,
                    leaves: list[ArrayLeaf], storage: list[StorageRef | None],
-                   compression: Codec | None) -> list[TensorEntry]:
-    """The entries of segment `s` from every rank's rows of its tensors (step 5)."""
+                   compression: Codec | None) -> tuple[list[TensorEntry], np.ndarray]:
+    """The entries of segment `s` from every rank's rows of its tensors (step 5), and the
+    rows of their chunks in order."""
     mine = rows[(rows["tensor"] >= span.start) & (rows["tensor"] < span.stop)]
     order = np.lexsort((mine["chunk"], mine["tensor"]))  # stable: lowest rank first
     mine = mine[order]
@@ -83,8 +105,6 @@ def _build_segment(s: int, span: range, rows: np.ndarray, plan: RankPlan,
                                  f"{list(plan.grids[i].region(c))} hold different values")
         mine = mine[first]
     counts = np.bincount(mine["tensor"].astype(np.int64) - span.start, minlength=len(span))
-    blobs, digests = _hex(mine["blob"]), _hex(mine["digest"])
-    offsets, sizes, nbytes = (mine[f].tolist() for f in ("offset", "size", "nbytes"))
     entries = []
     at = 0
     for k, i in enumerate(span):
@@ -96,19 +116,17 @@ def _build_segment(s: int, span: range, rows: np.ndarray, plan: RankPlan,
             raise CkptStoreError(f"{leaf.key}: no rank holds the elements "
                                  f"{list(g.region(gap))} of the global shape "
                                  f"{list(g.shape)}: the ranks' shards do not cover the tensor")
-        chunks = tuple(ChunkRef(blobs[j], offsets[j], sizes[j], nbytes[j], digests[j])
-                       for j in range(at, at + n))
-        at += n
         entry = TensorEntry(
             key=leaf.key, kind=leaf.kind, dtype=leaf.dtype, shape=g.shape,
             chunk_rows=g.chunk_rows, codec=None if g.packed or g.small else compression,
-            chunks=chunks, requires_grad=leaf.requires_grad, parameter=leaf.parameter,
-            storage=storage[i], chunk_shape=g.chunk_shape)
+            chunks=_chunks(mine[at:at + n]), requires_grad=leaf.requires_grad,
+            parameter=leaf.parameter, storage=storage[i], chunk_shape=g.chunk_shape)
+        at += n
         problem = entry_problem(entry)
         if problem is not None:
             raise CkptStoreError(f"{leaf.key}: {problem}")
         entries.append(entry)
-    return entries
+    return entries, mine
 
 
 def build_segments(writer: CheckpointWriter, rows: np.ndarray, plan: RankPlan,
@@ -122,9 +140,10 @@ def build_segments(writer: CheckpointWriter, rows: np.ndarray, plan: RankPlan,
     for s, span in enumerate(plan.spans):
         if builder_of(s, world) != rank:
             continue
-        entries = _build_segment(s, span, rows, plan, leaves, storage,
-                                 writer.options.compression)
-        data = encode(entries)
+        entries, mine = _build_segment(s, span, rows, plan, leaves, storage,
+                                       writer.options.compression)
+        data = encode_columns(entries, mine["blob"], mine["offset"], mine["size"],
+                              mine["nbytes"], mine["digest"])
         digest = algorithm.digest(data)
         writer.put_index_blob(digest, data)
         out.append([s, digest, len(data), len(span), sum(t.nbytes for t in entries)])

@@ -9,6 +9,8 @@ What is checked (each fails when its rule is broken):
 * the raw size of every chunk computed on columns equals the chunk-by-chunk computation for
   any shape and grid;
 * a flipped byte of such a segment is refused or decodes to entries obeying the rules;
+* a segment encoded from columns (a collective save's builder) is byte for byte the one
+  encoded from the same entries, blob table order included;
 * a load of some rows of a tensor held in many chunks builds the ChunkRefs of those rows
   only, and reads them right.
 """
@@ -28,6 +30,7 @@ from ckptstore import CheckpointStore, FormatError, Shard
 from ckptstore.format.codecs import Codec
 from ckptstore.format.dtypes import DTYPES
 from ckptstore.format.manifest import (
+    ROWS_ABOVE,
     ChunkRef,
     ChunkRows,
     TensorEntry,
@@ -36,8 +39,8 @@ from ckptstore.format.manifest import (
     entry_problem,
     expected_chunk_count,
 )
-from ckptstore.format.segment_encoding import SegmentRef, encode
-from ckptstore.format.segments import ROWS_ABOVE, decode
+from ckptstore.format.segment_encoding import SegmentRef, encode, encode_columns
+from ckptstore.format.segments import decode
 
 F32 = DTYPES["float32"]
 ZSTD = Codec("zstd", 3)
@@ -140,6 +143,23 @@ def test_a_flipped_byte_is_refused_or_decodes_to_valid_entries(pos: int, xor: in
         return
     for e in out:  # what decodes obeys every rule, chunk by chunk too
         assert entry_problem(replace(e, chunks=tuple(e.chunks))) is None
+
+
+@pytest.mark.parametrize("order", ["as saved", "reversed"])
+def test_a_segment_encoded_from_columns_is_the_one_encoded_from_entries(order: str) -> None:
+    entries = ENTRIES if order == "as saved" else ENTRIES[::-1]  # another first-use order
+    chunks = [c for e in entries for c in e.chunks]
+
+    def raw(hexes: list[str]) -> np.ndarray:
+        return np.frombuffer(bytes.fromhex("".join(hexes)), np.uint8).reshape(-1, 16)
+
+    data = encode_columns(entries, raw([c.blob for c in chunks]),
+                          np.array([c.offset for c in chunks], np.uint64),
+                          np.array([c.size for c in chunks], np.uint64),
+                          np.array([c.nbytes for c in chunks], np.uint64),
+                          raw([c.digest for c in chunks]))
+    assert data == encode(entries)
+    assert decode(data, SegmentRef("0" * 32, len(data), len(entries), REF.nbytes), "x") == entries
 
 
 def test_a_load_of_some_rows_builds_the_chunk_refs_of_those_rows_only(
