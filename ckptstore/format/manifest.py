@@ -159,6 +159,12 @@ class ChunkRows(Sequence[ChunkRef]):
     def __repr__(self) -> str:
         return f"ChunkRows({len(self)} chunks)"
 
+    def __copy__(self) -> ChunkRows:  # read-only views: a copy is the same rows
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ChunkRows:
+        return self
+
     def first_bad(self, want: np.ndarray, codec: Codec | None) -> int | None:
         """The first chunk breaking a rule `_chunk_problem` states (its ranges, `want[j]` raw
         bytes, stored size against its codec), or None."""

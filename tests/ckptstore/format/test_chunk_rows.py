@@ -17,6 +17,7 @@ What is checked (each fails when its rule is broken):
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 
@@ -84,6 +85,7 @@ def test_entries_of_many_chunks_decode_to_columns_equal_to_their_chunk_refs() ->
             *want.chunks, *want.chunks]
         assert g.chunks[5:70:7] == want.chunks[5:70:7]
         assert hash(g) == hash(want)
+        assert copy.deepcopy(g) == copy.copy(g) == want  # immutable views: copies are free
         with pytest.raises(IndexError):
             g.chunks[len(want.chunks)]
     assert encode(got) == SEGMENT
