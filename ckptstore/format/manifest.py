@@ -166,7 +166,7 @@ class ChunkRows(Sequence[ChunkRef]):
         return self
 
     def first_bad(self, want: np.ndarray, codec: Codec | None) -> int | None:
-        """The first chunk breaking a rule `_chunk_problem` states (its ranges, `want[j]` raw
+        """The first chunk breaking a rule `_chunk_problems` states (its ranges, `want[j]` raw
         bytes, stored size against its codec), or None."""
         offsets, sizes, nbytes = self._offsets, self._sizes, self._nbytes
         bad = ((offsets > _HI) | (sizes > 2 * MAX_CHUNK_BYTES) | (nbytes > MAX_CHUNK_BYTES)
@@ -208,7 +208,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     chunk_rows: int
     codec: Codec | None
-    chunks: tuple[ChunkRef, ...] | ChunkRows  # ChunkRows: read from an index segment
+    chunks: tuple[ChunkRef, ...] | ChunkRows  # ChunkRows: columns of a segment's rows
     requires_grad: bool = False
     parameter: bool = False
     storage: StorageRef | None = None

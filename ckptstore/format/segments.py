@@ -65,7 +65,11 @@ def _hexes(raw: bytes | memoryview) -> list[str]:
 
 def decode(data: bytes, ref: SegmentRef, where: str) -> list[TensorEntry]:
     """The entries of segment `ref` from its bytes `data` (already matched to its digest),
-    each validated by `entry_problem`; FormatError (prefixed by `where`) on anything wrong."""
+    each validated by `entry_problem`; FormatError (prefixed by `where`) on anything wrong.
+    Entries of many chunks keep views of the bytes (ChunkRows): a mutable buffer is copied
+    first, so that no later write to it can change a validated entry."""
+    if type(data) is not bytes:
+        data = bytes(data)
     try:
         return _decode(data, ref)
     except FormatError as exc:

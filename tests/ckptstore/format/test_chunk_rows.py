@@ -91,6 +91,13 @@ def test_entries_of_many_chunks_decode_to_columns_equal_to_their_chunk_refs() ->
     assert encode(got) == SEGMENT
 
 
+def test_entries_decoded_from_a_mutable_buffer_do_not_change_with_it() -> None:
+    buffer = bytearray(SEGMENT)
+    got = decode(buffer, REF, "x")  # type: ignore[arg-type]
+    buffer[:] = bytes(len(buffer))  # the caller reuses its buffer
+    assert got == ENTRIES
+
+
 BREAKS = {
     "raw bytes": lambda c: replace(c, nbytes=c.nbytes + 4),
     "offset range": lambda c: replace(c, offset=1 << 63),
