@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ import numpy as np
 from ..concurrency import completed
 from ..errors import IntegrityError, ObjectNotFoundError, ShortReadError, StoreError
 from ..format.hashing import XXH3_128
-from ..format.manifest import ChunkRef, TensorEntry
+from ..format.manifest import ChunkRef, TensorEntry, chunks_meeting
 from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
@@ -251,10 +251,9 @@ def _job_size(job: tuple[Callable[..., None], tuple[Any, ...]]) -> int:
     return sum(p.chunk.size for p in args[1])
 
 
-def _chunks_of_rows(e: TensorEntry, rows: tuple[int, int]) -> range:
+def _chunks_of_rows(e: TensorEntry, rows: tuple[int, int]) -> Iterable[int]:
     """The chunks of `e` that can hold rows [start, stop) of dim 0: those row blocks alone, so
     a rank reading its rows of a tensor held in thousands of chunks visits its own few."""
-    if not e.shape or e.is_grid:
+    if not e.shape or e.is_grid or not len(e.chunks):  # (no chunks: an extent may be 0)
         return range(len(e.chunks))
-    first, last = rows[0] // e.chunk_rows, -(-rows[1] // e.chunk_rows)
-    return range(min(first, len(e.chunks)), min(last, len(e.chunks)))
+    return chunks_meeting(e.shape, e.block_shape(), [rows, *((0, n) for n in e.shape[1:])])
