@@ -24,7 +24,9 @@ What is run, as each rank runs it, and timed (seconds of one call in this proces
 4. restore: rank W/2's restore plan from the committed manifest, parsed again (its
    segments from the folder, in the page cache): every entry read, the chunks holding its
    rows found and their references built, as a load into its Shards does before it reads
-   data (`_restore_refs`).
+   data (`_restore_refs`); with the index bytes it read (root, segment heads, the parts
+   holding its chunks) against the whole index (`index_total_bytes`: every blob written,
+   the tree's included).
 
 Not simulated: the chunk writes (no tensor bytes), the network time of the collectives
 (only their bytes are counted), the broadcast of the outcome.
@@ -115,8 +117,9 @@ def _my_refs(plan: Any, boxes: list[Any], itemsize: list[int]
 
 def _restore_refs(manifest: Any, world: int, rank: int) -> int:
     """What a load of rank `rank`'s rows of every tensor does before reading data: read the
-    entries (every segment: each holds part of every rank's rows), find the chunks holding
-    its rows and build their references. Returns how many it built."""
+    entries (every segment: each holds every rank's rows; of a parted one, its head and the
+    parts holding this rank's chunks), find the chunks holding its rows and build their
+    references. Returns how many it built."""
     refs = []
     for e in manifest.tensors:
         start, count = shard_rows(e.shape[0], world, rank) if e.shape else (0, 1)
@@ -223,11 +226,21 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
         last = manifest.tensors[len(manifest.tensors) - 1]  # reads one segment
         out["read_back"] = last.key == leaves0[-1].key and len(last.chunks) == \
             plan0.grids[-1].chunks
+        source = segments_in([store], options.hash)
+        fetched: list[int] = []
+
+        def counted(ref: Any) -> bytes:
+            data = source(ref)
+            fetched.append(len(data))
+            return data
+
         t0 = time.perf_counter()
-        out["restore_refs"] = _restore_refs(
-            parse_manifest(body, "sim", options.hash, segments_in([store], options.hash)),
-            world, world // 2)
+        out["restore_refs"] = _restore_refs(parse_manifest(body, "sim", options.hash, counted),
+                                            world, world // 2)
         out["restore_plan_s"] = time.perf_counter() - t0
+        out["restore_index_reads"] = len(fetched)
+        out["restore_index_bytes"] = len(body) + sum(fetched)
+        out["index_total_bytes"] = sum(info.size for info in store.list("blobs/"))
     out["per_rank_total_s"] = out["per_rank_s"] + out["build_s_max"]
     return out
 

@@ -32,6 +32,7 @@ from .hashing import HASH_NAME, hash_algorithm
 from .segment_encoding import (
     DIGEST_BYTES,
     ChunkTable,
+    EncodedSegment,
     IndexBlob,
     SegmentRef,
     TreeRef,
@@ -168,15 +169,36 @@ class ChunkRows(Sequence[ChunkRef]):
     def first_bad(self, want: np.ndarray, codec: Codec | None) -> int | None:
         """The first chunk breaking a rule `_chunk_problems` states (its ranges, `want[j]` raw
         bytes, stored size against its codec), or None."""
-        offsets, sizes, nbytes = self._offsets, self._sizes, self._nbytes
-        bad = ((offsets > _HI) | (sizes > 2 * MAX_CHUNK_BYTES) | (nbytes > MAX_CHUNK_BYTES)
-               | (nbytes != want))
-        if codec is None:
-            bad |= sizes != nbytes
-        else:
-            bad |= (offsets != 0) | (sizes > 2 * nbytes + 65536)
-        found = np.flatnonzero(bad)
+        found = np.flatnonzero(rows_bad(self._offsets, self._sizes, self._nbytes, want,
+                                        codec is None))
         return int(found[0]) if len(found) else None
+
+
+def rows_bad(offsets: np.ndarray, sizes: np.ndarray, nbytes: np.ndarray, want: np.ndarray,
+             raw: bool | np.ndarray) -> np.ndarray:
+    """Which chunk rows (columns of a segment) break a rule `_chunk_problems` states: their
+    ranges, `want` raw bytes each, and the stored size against the codec (`raw`: no codec,
+    one flag for all rows or one per row)."""
+    bad: np.ndarray = ((offsets > _HI) | (sizes > 2 * MAX_CHUNK_BYTES)
+                       | (nbytes > MAX_CHUNK_BYTES) | (nbytes != want))
+    coded_bad: np.ndarray = (offsets != 0) | (sizes > 2 * nbytes + 65536)
+    size_bad: np.ndarray = sizes != nbytes
+    out: np.ndarray
+    if raw is True:
+        out = bad | size_bad
+    elif raw is False:
+        out = bad | coded_bad
+    else:
+        out = bad | np.where(raw, size_bad, coded_bad)
+    return out
+
+
+class LazyChunks(Sequence[ChunkRef]):
+    """The chunk references of one entry read where they are used (a parted index segment's:
+    segments.PartedRows). `entry_problem` checks their count; the rows' own rules are checked
+    by whoever reads them, before any is handed out (FormatError from the access)."""
+
+    __slots__ = ()
 
 
 @dataclass(frozen=True)
@@ -208,7 +230,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     chunk_rows: int
     codec: Codec | None
-    chunks: tuple[ChunkRef, ...] | ChunkRows  # ChunkRows: columns of a segment's rows
+    chunks: tuple[ChunkRef, ...] | ChunkRows | LazyChunks  # see ChunkRows, LazyChunks
     requires_grad: bool = False
     parameter: bool = False
     storage: StorageRef | None = None
@@ -422,7 +444,10 @@ class Manifest:
         an index blob whole (a copy of a blob shorter than that cannot serve it).
         `tables`: this manifest's `chunk_tables()` where the caller already has them."""
         ext = {r.digest: r.size for r in self.index_blobs()}
+        if getattr(self.tensors, "refs", None) is None:  # entries in memory: parts computed
+            ext.update((r.digest, r.size) for e in self.segment_blobs() for r, _d in e.parts)
         for table in self.chunk_tables() if tables is None else tables:
+            ext.update((r.digest, r.size) for r in table.parts)  # read from a store
             for blob, end in table.extents().items():
                 if end > ext.get(blob, -1):
                     ext[blob] = end
@@ -445,12 +470,13 @@ class Manifest:
         refs = getattr(self.tensors, "refs", None)
         if refs is not None:  # read from a store: as its root lists them
             return list(refs)
-        return [ref for ref, _data in self.segment_blobs()]
+        return [encoded.ref for encoded in self.segment_blobs()]
 
     def index_blobs(self) -> list[IndexBlob]:
-        """The blobs of a version-3 manifest's index: its segments, then its tree and the
-        pages of the tree's paged containers ([] for earlier versions). They are blobs like
-        chunks: gc keeps them, copies carry them."""
+        """The blobs of a version-3 manifest's index its root names: its segments, then its
+        tree and the pages of the tree's paged containers ([] for earlier versions). They are
+        blobs like chunks: gc keeps them, copies carry them. The parts of parted segments
+        are named by their heads, not the root: `blob_extents` has them too."""
         if self.version < SEGMENTED_VERSION:
             return []
         return [*self.segment_refs(), self.tree_ref(), *self.tree_page_refs()]
@@ -494,15 +520,17 @@ class Manifest:
         return blobs
 
     def index_blob_data(self) -> list[tuple[IndexBlob, bytes]]:
-        """Version 3, in memory (a writer's manifest): each index blob (`index_blobs`) and its
-        bytes; [] for earlier versions. FormatError if one would be too large."""
+        """Version 3, in memory (a writer's manifest): each index blob (`index_blobs`, and the
+        parts of parted segments) and its bytes; [] for earlier versions. FormatError if one
+        would be too large."""
         if self.version < SEGMENTED_VERSION:
             return []
         if getattr(self.tensors, "refs", None) is not None:  # segments already stored (a
             return [*self._tree_blobs()]  # collective save's, written by the ranks)
-        return [*self.segment_blobs(), *self._tree_blobs()]
+        return [*(b for encoded in self.segment_blobs() for b in encoded.blobs()),
+                *self._tree_blobs()]
 
-    def segment_blobs(self) -> list[tuple[SegmentRef, bytes]]:
+    def segment_blobs(self) -> list[EncodedSegment]:
         """Version 3, entries in memory (a writer's manifest): each index segment and its
         bytes, computed once. FormatError if a segment would be too large."""
         blobs = self.__dict__.get("_segment_blobs")
@@ -659,13 +687,16 @@ def _chunks_problem(e: TensorEntry) -> str | None:
     """The chunk list: count, digests, declared sizes and extents."""
     shape, rows, codec, chunks = e.shape, e.chunk_rows, e.codec, e.chunks
     itemsize = e.dtype.itemsize
-    if type(chunks) is not tuple and type(chunks) is not ChunkRows:
+    if (type(chunks) is not tuple and type(chunks) is not ChunkRows
+            and not isinstance(chunks, LazyChunks)):
         return "chunks must be a list"
     grid = e.chunk_shape
     want_count = expected_chunk_count(shape, rows, itemsize, grid)
     if len(chunks) != want_count:
         return (f"{len(chunks)} chunks listed, shape and "
                 f"{'chunk_rows' if grid is None else 'chunk_shape'} give {want_count}")
+    if isinstance(chunks, LazyChunks):  # rows checked as they are read (LazyChunks)
+        return None
     if type(chunks) is ChunkRows:  # a segment's columns: the same rules on every row at once
         bad = chunks.first_bad(_chunk_sizes(shape, rows, grid, itemsize, want_count), codec)
         # the first bad chunk's message, as the rules below state it

@@ -6,6 +6,11 @@ the chunk count, the canonical JSON header (the tensor records), then the chunk 
 columns (blob table of 16-byte digests, then per chunk: u32 blob index, u64
 offset, u64 size, u64 nbytes, 16-byte digest). Only entries that pass `entry_problem` are
 encoded; equal entries give equal bytes, so an unchanged segment is the same blob.
+
+A segment of many chunks where some tensor has many (a collective save's: every rank holds a
+slice of every tensor) is **parted**: its blob (the head) keeps the records and names part
+blobs, each holding the same slice of every tensor's chunk list (`part_bounds`): so a rank
+that needs its slice of each tensor reads one part per segment, not every rank's chunks.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ if TYPE_CHECKING:
     from .manifest import TensorEntry
 
 MAGIC = b"CKSTSEG\x01"
+PART_MAGIC = b"CKSTPRT\x01"
 #: A manifest is written as version 3 (root + segments) above either size; smaller ones stay
 #: one version-2 document (one read, nothing to gain from parts).
 SEGMENTED_ABOVE_TENSORS = 1024
@@ -38,6 +44,15 @@ MAX_SEGMENT_CHUNKS = 1 << 16  # a segment is cut before a tensor that would pass
 #: No segment may be larger (bounds a reader's allocation; a root lists each one's size).
 MAX_SEGMENT_BYTES = 1 << 28
 HEADER = struct.Struct("<8sIII")  # magic, JSON header length, blobs, chunks
+PART_HEADER = struct.Struct("<8sII")  # magic, blobs, chunks
+#: A segment is parted (see the module docstring) when it holds more chunks than this and
+#: some tensor of it more than PART_ABOVE_TENSOR_CHUNKS, into ceil(chunks / PART_CHUNKS)
+#: parts (at most the largest tensor's chunk count): a writer's choice, not a reader's.
+PART_ABOVE_CHUNKS = 4096
+PART_ABOVE_TENSOR_CHUNKS = 64
+PART_CHUNKS = 1024
+#: No reader accepts a head naming more parts (bounds its allocation; 2^28-byte heads).
+MAX_PARTS = 1 << 20
 DIGEST_BYTES = 16
 CHUNK_COLUMNS = (("<u4", 4), ("<u8", 8), ("<u8", 8), ("<u8", 8))  # blob, offset, size, nbytes
 
@@ -85,12 +100,15 @@ class TreeRef:
 class ChunkTable:
     """The chunk references of some tensor entries as columns: chunk j lies in blob
     `blobs[blob_index[j]]` at `offsets[j]`, `sizes[j]` bytes long. What space accounting and
-    gc need, read from a segment without building its entries (segments.chunk_table)."""
+    gc need, read from a segment without building its entries (segments.chunk_table).
+    `parts`: the part blobs the table was read from (a parted segment's), which the
+    checkpoint needs as it needs its chunks' blobs."""
 
     blobs: tuple[str, ...]
     blob_index: np.ndarray
     offsets: np.ndarray
     sizes: np.ndarray
+    parts: tuple[IndexBlob, ...] = ()
 
     @classmethod
     def of(cls, entries: Sequence[TensorEntry]) -> ChunkTable:
@@ -121,6 +139,47 @@ class ChunkTable:
                    self.sizes.tolist())
 
 
+@dataclass(frozen=True)
+class PartRef:
+    """One part of a parted segment as its head names it: the blob `digest` of `size`
+    bytes."""
+
+    digest: str
+    size: int
+
+
+@dataclass(frozen=True)
+class EncodedSegment:
+    """A segment's bytes: `ref` names its blob (`head`); a parted segment's head names its
+    `parts` (ref and bytes of each), which are index blobs too."""
+
+    ref: SegmentRef
+    head: bytes
+    parts: tuple[tuple[PartRef, bytes], ...] = ()
+
+    def blobs(self) -> list[tuple[IndexBlob, bytes]]:
+        """The head, then each part: every blob to write."""
+        return [(self.ref, self.head), *self.parts]
+
+
+def part_count(counts: Sequence[int]) -> int:
+    """How many parts a segment of tensors holding `counts` chunks is written in (1: not
+    parted; see PART_ABOVE_CHUNKS)."""
+    total, largest = sum(counts), max(counts, default=0)
+    if total <= PART_ABOVE_CHUNKS or largest <= PART_ABOVE_TENSOR_CHUNKS:
+        return 1
+    return min(-(-total // PART_CHUNKS), largest)
+
+
+def part_bounds(counts: np.ndarray, parts: int) -> np.ndarray:
+    """For tensors holding `counts` chunks (int64), the first chunk of each of `parts`
+    parts and one past the last: `[k, p]` = ceil(p * counts[k] / parts), shape (K, parts +
+    1). Part p holds chunks [bounds[k, p], bounds[k, p + 1]) of tensor k; chunk c of a
+    tensor of n chunks is in part c * parts // n."""
+    p = np.arange(parts + 1, dtype=np.int64)
+    return -(-(np.asarray(counts, dtype=np.int64)[:, None] * p[None, :]) // parts)
+
+
 def is_segmented(entries: Sequence[TensorEntry]) -> bool:
     """True if a manifest of these entries is written as version 3."""
     return (len(entries) > SEGMENTED_ABOVE_TENSORS
@@ -128,15 +187,9 @@ def is_segmented(entries: Sequence[TensorEntry]) -> bool:
 
 
 def segment_blobs(entries: Sequence[TensorEntry], algorithm: HashAlgorithm
-                  ) -> list[tuple[SegmentRef, bytes]]:
-    """The index segments of `entries`, cut (see `cut`) and encoded, with their refs."""
-    out = []
-    for span in cut(entries):
-        part = entries[span.start:span.stop]
-        data = encode(part)
-        out.append((SegmentRef(algorithm.digest(data), len(data), len(span),
-                               sum(t.nbytes for t in part)), data))
-    return out
+                  ) -> list[EncodedSegment]:
+    """The index segments of `entries`, cut (see `cut`) and encoded."""
+    return [encode(entries[span.start:span.stop], algorithm) for span in cut(entries)]
 
 
 def cut(entries: Sequence[TensorEntry]) -> list[range]:
@@ -175,9 +228,10 @@ def _record(t: TensorEntry) -> list[Any]:
             None if t.chunk_shape is None else list(t.chunk_shape)]
 
 
-def encode(entries: Sequence[TensorEntry]) -> bytes:
-    """The segment holding `entries` (each must pass `entry_problem`); deterministic, so
-    equal entries give the same blob. FormatError if it would exceed MAX_SEGMENT_BYTES."""
+def encode(entries: Sequence[TensorEntry], algorithm: HashAlgorithm) -> EncodedSegment:
+    """The segment holding `entries` (each must pass `entry_problem`), its blobs named by
+    `algorithm`; deterministic, so equal entries give the same blobs. FormatError if a blob
+    would exceed MAX_SEGMENT_BYTES."""
     blobs: dict[str, int] = {}
     index: list[int] = []
     columns: list[list[int]] = [[], [], []]
@@ -192,36 +246,78 @@ def encode(entries: Sequence[TensorEntry]) -> bytes:
     return _pack(entries, bytes.fromhex("".join(blobs)),
                  [np.asarray(index, dtype="<u4"), *(np.asarray(col, dtype="<u8")
                                                     for col in columns)],
-                 bytes.fromhex("".join(digests)))
+                 bytes.fromhex("".join(digests)), algorithm)
 
 
 def encode_columns(entries: Sequence[TensorEntry], blobs: np.ndarray, offsets: np.ndarray,
-                   sizes: np.ndarray, nbytes: np.ndarray, digests: np.ndarray) -> bytes:
-    """What `encode(entries)` gives, from the chunks of all `entries` in order as columns:
+                   sizes: np.ndarray, nbytes: np.ndarray, digests: np.ndarray,
+                   algorithm: HashAlgorithm) -> EncodedSegment:
+    """What `encode(entries, algorithm)` gives, from the chunks of all `entries` in order as
+    columns:
     raw blob digests and raw chunk digests (uint8, 16 per row), offset, size, nbytes. The
     blob table is made as `encode` makes it (distinct blobs in order of first use), so a
     segment built from rows is the blob a single-process save writes."""
-    rows = np.ascontiguousarray(blobs, dtype=np.uint8).reshape(-1, DIGEST_BYTES)
-    keys = rows.view(np.dtype((np.void, DIGEST_BYTES))).ravel()
+    table, index = first_use_table(np.ascontiguousarray(blobs, dtype=np.uint8))
+    return _pack(entries, table, [index.astype("<u4"), *(np.asarray(c, dtype="<u8")
+                                                         for c in (offsets, sizes, nbytes))],
+                 np.ascontiguousarray(digests, dtype=np.uint8).tobytes(), algorithm)
+
+
+def first_use_table(raw: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """The blob table of chunks whose raw blob digests are `raw` (16 bytes a row): the
+    distinct digests in order of first use, and each chunk's index into it."""
+    keys = raw.reshape(-1, DIGEST_BYTES).view(np.dtype((np.void, DIGEST_BYTES))).ravel()
     distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")  # table order: first use
+    order = np.argsort(first, kind="stable")
     position = np.empty(len(order), dtype=np.int64)
     position[order] = np.arange(len(order))
-    return _pack(entries, distinct[order].tobytes(),
-                 [position[inverse.ravel()].astype("<u4"), *(np.asarray(c, dtype="<u8")
-                                                            for c in (offsets, sizes, nbytes))],
-                 np.ascontiguousarray(digests, dtype=np.uint8).tobytes())
+    return distinct[order].tobytes(), position[inverse.ravel()]
 
 
-def _pack(entries: Sequence[TensorEntry], table: bytes, columns: list[np.ndarray],
-          digests: bytes) -> bytes:
-    """A segment's bytes: its header records, blob table, chunk columns, chunk digests."""
-    header = canonical_str({"tensors": [_record(t) for t in entries]}).encode("utf-8")
-    parts = [HEADER.pack(MAGIC, len(header), len(table) // DIGEST_BYTES, len(columns[0])),
-             header, table, *(c.tobytes() for c in columns), digests]
-    data = b"".join(parts)
+def _checked(data: bytes, what: str, entries: Sequence[TensorEntry]) -> bytes:
     if len(data) > MAX_SEGMENT_BYTES:
-        raise FormatError(f"an index segment of {len(entries)} tensor(s) would be {len(data)} "
+        raise FormatError(f"an index {what} of {len(entries)} tensor(s) would be {len(data)} "
                           f"bytes, more than the {MAX_SEGMENT_BYTES} a reader accepts; nothing "
                           "was committed (use a larger chunk_bytes)")
     return data
+
+
+def _pack(entries: Sequence[TensorEntry], table: bytes, columns: list[np.ndarray],
+          digests: bytes, algorithm: HashAlgorithm) -> EncodedSegment:
+    """A segment's blobs: its header records, blob table, chunk columns and chunk digests
+    in one blob, or (parted, see `part_count`) the records in the head and the chunk rows in
+    parts."""
+    counts = [len(t.chunks) for t in entries]
+    records = [_record(t) for t in entries]
+    nbytes = sum(t.nbytes for t in entries)
+    parts = part_count(counts)
+    if parts == 1:
+        header = canonical_str({"tensors": records}).encode("utf-8")
+        head = _checked(b"".join([
+            HEADER.pack(MAGIC, len(header), len(table) // DIGEST_BYTES, len(columns[0])),
+            header, table, *(c.tobytes() for c in columns), digests]), "segment", entries)
+        return EncodedSegment(SegmentRef(algorithm.digest(head), len(head), len(entries),
+                                         nbytes), head)
+    blob_rows = np.frombuffer(table, dtype=np.uint8).reshape(-1, DIGEST_BYTES)
+    digest_rows = np.frombuffer(digests, dtype=np.uint8).reshape(-1, DIGEST_BYTES)
+    n = np.asarray(counts, dtype=np.int64)
+    starts = np.cumsum(n) - n
+    chunk = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(starts, n)
+    part_of_row = chunk * parts // np.repeat(n, n)
+    order = np.argsort(part_of_row, kind="stable")  # in a part: by tensor, then chunk
+    bounds = np.searchsorted(part_of_row[order], np.arange(parts + 1))
+    out = []
+    for p in range(parts):
+        rows = order[bounds[p]:bounds[p + 1]]
+        part_table, index = first_use_table(blob_rows[columns[0][rows].astype(np.int64)])
+        data = _checked(b"".join([
+            PART_HEADER.pack(PART_MAGIC, len(part_table) // DIGEST_BYTES, len(rows)),
+            part_table, index.astype("<u4").tobytes(),
+            *(c[rows].tobytes() for c in columns[1:]), digest_rows[rows].tobytes()]),
+            "segment part", entries)
+        out.append((PartRef(algorithm.digest(data), len(data)), data))
+    header = canonical_str({"parts": [[ref.digest, ref.size] for ref, _data in out],
+                            "tensors": records}).encode("utf-8")
+    head = _checked(HEADER.pack(MAGIC, len(header), 0, 0) + header, "segment", entries)
+    return EncodedSegment(SegmentRef(algorithm.digest(head), len(head), len(entries), nbytes),
+                          head, tuple(out))

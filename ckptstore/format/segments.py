@@ -9,15 +9,19 @@ unchanged segment is the same blob in the next checkpoint (written once, like un
 data), and gc, replication, peers and verify treat segments as the blobs they are.
 
 Entries decode to exactly the TensorEntry that was encoded and obey `entry_problem`, the
-rules of every other manifest version.
+rules of every other manifest version. A parted segment's entries hold `PartedRows`: each
+part is read, checked against its digest and the chunk rules, when a chunk in it is first
+used (`SegmentParts`).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, overload
 
 import numpy as np
@@ -26,6 +30,7 @@ from ..collector import paused_collector
 from ..errors import FormatError
 from .codecs import Codec, parse_codec
 from .dtypes import DTYPES
+from .hashing import is_digest
 from .manifest import (
     FORMAT_VERSION,
     ROWS_ABOVE,
@@ -33,24 +38,37 @@ from .manifest import (
     ChunkRef,
     ChunkRows,
     HexNames,
+    LazyChunks,
     StorageRef,
     TensorEntry,
+    _chunk_problems,
+    _chunk_sizes,
     entry_problem,
+    rows_bad,
 )
 from .segment_encoding import (
     CHUNK_COLUMNS,
     DIGEST_BYTES,
     HEADER,
     MAGIC,
+    MAX_PARTS,
     MAX_SEGMENT_BYTES,
+    PART_HEADER,
+    PART_MAGIC,
     ChunkTable,
     IndexBlob,
+    PartRef,
     SegmentRef,
+    first_use_table,
     is_segmented,
+    part_bounds,
 )
 
-__all__ = ["MAX_SEGMENT_BYTES", "ChunkColumns", "ChunkTable", "SegmentRef", "SegmentSource",
-           "SegmentedEntries", "chunk_columns", "chunk_table", "decode", "version_for"]
+__all__ = ["MAX_SEGMENT_BYTES", "ChunkColumns", "ChunkTable", "PartedRows", "SegmentParts",
+           "SegmentRef", "SegmentSource", "SegmentedEntries", "chunk_columns", "chunk_table",
+           "decode", "segment_parts", "version_for"]
+
+_ROW_BYTES = sum(width for _dtype, width in CHUNK_COLUMNS) + DIGEST_BYTES
 
 
 def version_for(entries: Sequence[TensorEntry]) -> int:
@@ -63,46 +81,67 @@ def _hexes(raw: bytes | memoryview) -> list[str]:
     return [h[i:i + 2 * DIGEST_BYTES] for i in range(0, len(h), 2 * DIGEST_BYTES)]
 
 
-def decode(data: bytes, ref: SegmentRef, where: str) -> list[TensorEntry]:
+def decode(data: bytes, ref: SegmentRef, where: str, source: SegmentSource | None = None
+           ) -> list[TensorEntry]:
     """The entries of segment `ref` from its bytes `data` (already matched to its digest),
     each validated by `entry_problem`; FormatError (prefixed by `where`) on anything wrong.
     Entries of many chunks keep views of the bytes (ChunkRows): a mutable buffer is copied
-    first, so that no later write to it can change a validated entry."""
+    first, so that no later write to it can change a validated entry. A parted segment's
+    entries read their parts from `source` when their chunks are used (PartedRows)."""
     if type(data) is not bytes:
         data = bytes(data)
     try:
-        return _decode(data, ref)
+        return _decode(data, ref, source, where)
     except FormatError as exc:
         raise FormatError(f"{where}: index segment {ref.digest}: {exc}") from None
 
 
 def _frame(data: bytes, ref: SegmentRef, *, records: bool = True
-           ) -> tuple[list[Any], memoryview, int, int]:
-    """Check a segment's framing against its ref: (tensor records, or [] without `records`:
-    the JSON header is then not parsed; the blob table's raw digests; chunk count; where
-    the chunk columns begin)."""
+           ) -> tuple[list[Any], memoryview, int, int, list[PartRef]]:
+    """Check a segment's framing against its ref: (tensor records, or [] without `records`
+    where the JSON header need not be parsed; the blob table's raw digests; chunk count;
+    where the chunk columns begin; the parts a parted segment's header names, else [])."""
     if len(data) != ref.size or len(data) < HEADER.size:
         raise FormatError(f"{len(data)} bytes, the root lists {ref.size}")
     magic, hlen, nblobs, nchunks = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise FormatError("not a ckptstore index segment")
     pos = HEADER.size + hlen
-    want = pos + nblobs * DIGEST_BYTES + nchunks * (4 + 8 + 8 + 8 + DIGEST_BYTES)
+    want = pos + nblobs * DIGEST_BYTES + nchunks * _ROW_BYTES
     if len(data) != want:
         raise FormatError(f"{len(data)} bytes, its header implies {want}")
     found: list[Any] = []
-    if records:
+    parts: list[PartRef] = []
+    if records or not nchunks:  # (no chunk rows: perhaps parted, which only the header says)
         try:
             header = json.loads(data[HEADER.size:pos].decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise FormatError(f"header is not valid JSON: {exc}") from None
-        if (type(header) is not dict or header.keys() != {"tensors"}
+        if (type(header) is not dict or header.keys() - {"parts"} != {"tensors"}
                 or type(found := header["tensors"]) is not list):
-            raise FormatError("header must be {tensors}")
+            raise FormatError("header must be {tensors} or {parts, tensors}")
         if len(found) != ref.tensors:
             raise FormatError(f"holds {len(found)} tensor(s), the root lists {ref.tensors}")
+        if "parts" in header:
+            parts = _part_refs(header["parts"])
+            if nblobs or nchunks:
+                raise FormatError("a parted segment holds chunk rows of its own")
     blob_table = memoryview(data)[pos:pos + nblobs * DIGEST_BYTES]
-    return found, blob_table, nchunks, pos + nblobs * DIGEST_BYTES
+    return found, blob_table, nchunks, pos + nblobs * DIGEST_BYTES, parts
+
+
+def _part_refs(doc: Any) -> list[PartRef]:
+    if type(doc) is not list or not 2 <= len(doc) <= MAX_PARTS:
+        raise FormatError(f"parts must list 2 to {MAX_PARTS} parts")
+    out = []
+    for i, item in enumerate(doc):
+        if (type(item) is not list or len(item) != 2 or not is_digest(item[0])
+                or type(item[1]) is not int
+                or not PART_HEADER.size <= item[1] <= MAX_SEGMENT_BYTES):
+            raise FormatError(f"part {i} must be [digest, size] with a size in "
+                              f"[{PART_HEADER.size}, {MAX_SEGMENT_BYTES}]")
+        out.append(PartRef(item[0], item[1]))
+    return out
 
 
 def _columns(data: bytes, nchunks: int, pos: int, nblobs: int) -> list[np.ndarray]:
@@ -116,17 +155,96 @@ def _columns(data: bytes, nchunks: int, pos: int, nblobs: int) -> list[np.ndarra
     return cols
 
 
-def chunk_table(data: bytes, ref: SegmentRef, where: str) -> ChunkTable:
+def chunk_table(data: bytes, ref: SegmentRef, where: str, source: SegmentSource | None = None
+                ) -> ChunkTable:
     """The chunk references of segment `ref` from its bytes (already matched to its digest),
-    without parsing, building or validating its entries: its framing is checked (FormatError,
-    prefixed by `where`), the entries' own rules are `decode`'s."""
+    and a parted segment's parts from `source`, without building or validating its entries:
+    the framing is checked (FormatError, prefixed by `where`), the entries' own rules are
+    `decode`'s."""
     try:
-        _records, blob_table, nchunks, pos = _frame(data, ref, records=False)
+        records, blob_table, nchunks, pos, parts = _frame(data, ref, records=False)
+        if parts:
+            counts = [_chunk_count(rec, i) for i, rec in enumerate(records)]
+            table, columns, _digests = _joined(counts, _read_parts(parts, counts, source),
+                                               in_order=False)
+            return ChunkTable(tuple(_hexes(table)), columns[0], columns[1], columns[2],
+                              tuple(parts))
         blob_names = _hexes(blob_table)
         blob_index, offsets, sizes, _nbytes = _columns(data, nchunks, pos, len(blob_names))
     except FormatError as exc:
         raise FormatError(f"{where}: index segment {ref.digest}: {exc}") from None
     return ChunkTable(tuple(blob_names), blob_index.astype(np.int64), offsets, sizes)
+
+
+def _chunk_count(rec: Any, i: int) -> int:
+    if type(rec) is not list or len(rec) != 11 or type(rec[6]) is not int or rec[6] < 0:
+        raise FormatError(f"tensor record {i} malformed")
+    return rec[6]
+
+
+def _part_frame(data: bytes, rows: int) -> tuple[memoryview, list[np.ndarray], memoryview]:
+    """Check a part's framing (it must hold `rows` chunk rows): (its blob table's raw
+    digests, its chunk columns, their raw digests)."""
+    if len(data) < PART_HEADER.size:
+        raise FormatError(f"{len(data)} bytes, too short for a segment part")
+    magic, nblobs, nchunks = PART_HEADER.unpack_from(data)
+    if magic != PART_MAGIC:
+        raise FormatError("not a part of a ckptstore index segment")
+    if nchunks != rows:
+        raise FormatError(f"holds {nchunks} chunk(s), its segment's records place {rows} "
+                          "there")
+    pos = PART_HEADER.size + nblobs * DIGEST_BYTES
+    if len(data) != pos + nchunks * _ROW_BYTES:
+        raise FormatError(f"{len(data)} bytes, its header implies "
+                          f"{pos + nchunks * _ROW_BYTES}")
+    columns = _columns(data, nchunks, pos, nblobs)
+    return (memoryview(data)[PART_HEADER.size:pos], columns,
+            memoryview(data)[pos + (_ROW_BYTES - DIGEST_BYTES) * nchunks:])
+
+
+def _read_parts(parts: Sequence[PartRef], counts: Sequence[int], source: SegmentSource | None
+                ) -> list[tuple[memoryview, list[np.ndarray], memoryview]]:
+    """Every part of a parted segment of tensors holding `counts` chunks, framing checked."""
+    if source is None:
+        raise FormatError("its parts are not available here (only the manifest root was read)")
+    held = np.diff(part_bounds(np.asarray(counts, dtype=np.int64), len(parts)), axis=1)
+    out = []
+    for p, ref in enumerate(parts):
+        try:
+            out.append(_part_frame(_as_bytes(source(ref)), int(held[:, p].sum())))
+        except FormatError as exc:
+            raise FormatError(f"part {p} ({ref.digest}): {exc}") from None
+    return out
+
+
+def _as_bytes(data: bytes | bytearray | memoryview) -> bytes:
+    return data if type(data) is bytes else bytes(data)
+
+
+def _joined(counts: Sequence[int], parts: list[tuple[memoryview, list[np.ndarray], memoryview]],
+            *, in_order: bool) -> tuple[bytes, list[np.ndarray], np.ndarray]:
+    """A parted segment's chunk rows as one table: (raw blob table, columns (blob index as
+    int64, offset, size, nbytes), raw digests as uint8 rows of 16), in the order of an
+    unparted segment (by tensor, then chunk) with `in_order`, else part after part."""
+    raw_tables = np.frombuffer(b"".join(bytes(t) for t, _c, _d in parts), dtype=np.uint8)
+    table, global_index = first_use_table(raw_tables)
+    first = np.cumsum([0] + [len(t) // DIGEST_BYTES for t, _c, _d in parts])
+    columns = [np.concatenate([global_index[first[p] + c[0].astype(np.int64)]
+                               for p, (_t, c, _d) in enumerate(parts)]),
+               *(np.concatenate([c[k] for _t, c, _d in parts]) for k in (1, 2, 3))]
+    digests = np.frombuffer(b"".join(bytes(d) for _t, _c, d in parts),
+                            dtype=np.uint8).reshape(-1, DIGEST_BYTES)
+    if in_order:
+        n = np.asarray(counts, dtype=np.int64)
+        bounds = part_bounds(n, len(parts))
+        held = np.diff(bounds, axis=1).T.ravel()  # blocks part by part, tensors within
+        block_start = ((np.cumsum(n) - n)[None, :] + bounds[:, :-1].T).ravel()
+        dest = np.repeat(block_start - (np.cumsum(held) - held), held) + np.arange(int(n.sum()))
+        order = np.empty_like(dest)
+        order[dest] = np.arange(len(dest))
+        columns = [c[order] for c in columns]
+        digests = digests[order]
+    return table, columns, digests
 
 
 class ChunkColumns:
@@ -159,16 +277,25 @@ class ChunkColumns:
         return out
 
 
-def chunk_columns(data: bytes, ref: SegmentRef, where: str) -> ChunkColumns:
-    """The chunk references of segment `ref` (bytes already matched to its digest) with their
-    digests and codecs: its framing and each record's codec and chunk count are checked
-    (FormatError, prefixed by `where`), and a raw chunk must store exactly its raw bytes; the
-    entries' other rules are `decode`'s."""
+def chunk_columns(data: bytes, ref: SegmentRef, where: str,
+                  source: SegmentSource | None = None) -> ChunkColumns:
+    """The chunk references of segment `ref` (bytes already matched to its digest; a parted
+    segment's parts from `source`) with their digests and codecs: its framing and each
+    record's codec and chunk count are checked (FormatError, prefixed by `where`), and a raw
+    chunk must store exactly its raw bytes; the entries' other rules are `decode`'s."""
     try:
-        records, blob_table, nchunks, pos = _frame(data, ref)
-        blob_names = _hexes(blob_table)
-        columns = _columns(data, nchunks, pos, len(blob_names))
-        pos += sum(width for _dtype, width in CHUNK_COLUMNS) * nchunks
+        records, blob_table, nchunks, pos, parts = _frame(data, ref)
+        if parts:
+            counts = [_chunk_count(rec, i) for i, rec in enumerate(records)]
+            table, columns, digest_rows = _joined(
+                counts, _read_parts(parts, counts, source), in_order=True)
+            blob_names = _hexes(table)
+            nchunks = len(columns[0])
+            raw_digests: bytes | memoryview = digest_rows.tobytes()
+        else:
+            blob_names = _hexes(blob_table)
+            columns = _columns(data, nchunks, pos, len(blob_names))
+            raw_digests = memoryview(data)[pos + (_ROW_BYTES - DIGEST_BYTES) * nchunks:]
         codecs = []
         for i, rec in enumerate(records):
             if type(rec) is not list or len(rec) != 11 or type(rec[6]) is not int or rec[6] < 0:
@@ -182,11 +309,14 @@ def chunk_columns(data: bytes, ref: SegmentRef, where: str) -> ChunkColumns:
             raise FormatError("a raw chunk's stored size differs from its raw size")
     except FormatError as exc:
         raise FormatError(f"{where}: index segment {ref.digest}: {exc}") from None
-    return ChunkColumns(blob_names, columns, _hexes(data[pos:]), codecs)
+    return ChunkColumns(blob_names, columns, _hexes(raw_digests), codecs)
 
 
-def _decode(data: bytes, ref: SegmentRef) -> list[TensorEntry]:
-    records, blob_table, nchunks, pos = _frame(data, ref)
+def _decode(data: bytes, ref: SegmentRef, source: SegmentSource | None, where: str
+            ) -> list[TensorEntry]:
+    records, blob_table, nchunks, pos, parts = _frame(data, ref)
+    if parts:
+        return _decode_parted(records, parts, ref, source, where)
     blob_names = HexNames(blob_table)
     arrays = _columns(data, nchunks, pos, len(blob_names))
     lists: list[list[int]] = []  # the columns as lists, made for the first small entry
@@ -227,6 +357,175 @@ def _decode(data: bytes, ref: SegmentRef) -> list[TensorEntry]:
         raise FormatError(f"its tensors hold {sum(t.nbytes for t in out)} bytes, the root "
                           f"lists {ref.nbytes}")
     return out
+
+
+def _decode_parted(records: list[Any], parts: list[PartRef], ref: SegmentRef,
+                   source: SegmentSource | None, where: str) -> list[TensorEntry]:
+    """The entries of a parted segment: their chunks are PartedRows of one SegmentParts."""
+    fields = [_fields(rec, i) for i, rec in enumerate(records)]
+    shared = SegmentParts(parts, [n for _head, _tail, n in fields], source,
+                          f"{where}: index segment {ref.digest}")
+    out: list[TensorEntry] = []
+    for k, (head, tail, n) in enumerate(fields):
+        key, kind, dtype, shape, rows, codec = head
+        grad, param, storage, grid = tail
+        entry = TensorEntry(key, kind, dtype, shape, rows, codec,
+                            PartedRows(shared, k) if n else (), grad, param, storage, grid)
+        problem = entry_problem(entry)
+        if problem is not None:
+            raise FormatError(f"tensor {entry.key!r:.200}: {problem}")
+        out.append(entry)
+    shared.entries = out
+    if sum(t.nbytes for t in out) != ref.nbytes:
+        raise FormatError(f"its tensors hold {sum(t.nbytes for t in out)} bytes, the root "
+                          f"lists {ref.nbytes}")
+    return out
+
+
+class SegmentParts:
+    """The parts of one parted segment (segment_encoding.part_bounds): part p is read from
+    `source` when first used, its framing and the chunk rules of every row in it checked
+    (FormatError naming the segment, the part and the tensor), then kept. Thread-safe."""
+
+    def __init__(self, refs: Sequence[PartRef], counts: Sequence[int],
+                 source: SegmentSource | None, label: str) -> None:
+        self.refs = tuple(refs)
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.bounds = part_bounds(self.counts, len(self.refs))  # [k, p]: first chunk in p
+        self.held = np.diff(self.bounds, axis=1)  # [k, p]: tensor k's chunks in part p
+        self.base = np.cumsum(self.held, axis=0) - self.held  # [k, p]: its first row there
+        self.entries: list[TensorEntry] = []  # set once built (the rules need them)
+        self._source = source
+        self._label = label
+        self._rows: dict[int, ChunkRows] = {}
+        self._sizes: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def row_of(self, k: int, c: int) -> tuple[int, int]:
+        """(part, row in it) of chunk `c` of tensor `k`."""
+        p = c * len(self.refs) // int(self.counts[k])
+        return p, int(self.base[k, p]) + c - int(self.bounds[k, p])
+
+    def rows(self, p: int) -> ChunkRows:
+        """Every chunk row of part `p`, read and checked on first use."""
+        got = self._rows.get(p)
+        if got is not None:
+            return got
+        with self._lock:
+            got = self._rows.get(p)
+            if got is None:
+                got = self._rows[p] = self._read(p)
+            return got
+
+    def loads(self) -> list[tuple[PartRef, Callable[[], ChunkRows]]]:
+        """Each part and the call that reads and checks it (for verify)."""
+        return [(ref, functools.partial(self.rows, p)) for p, ref in enumerate(self.refs)]
+
+    def _read(self, p: int) -> ChunkRows:
+        ref = self.refs[p]
+        try:
+            if self._source is None:
+                raise FormatError("not available here (only the manifest root was read)")
+            table, columns, digests = _part_frame(_as_bytes(self._source(ref)),
+                                                  int(self.held[:, p].sum()))
+            rows = ChunkRows(HexNames(table), columns, digests)
+            self._check(p, columns, rows)
+        except FormatError as exc:
+            raise FormatError(f"{self._label} part {p} ({ref.digest}): {exc}") from None
+        return rows
+
+    def _check(self, p: int, columns: list[np.ndarray], rows: ChunkRows) -> None:
+        """Every row of part `p` against the chunk rules of its tensor (rows_bad)."""
+        held = self.held[:, p]
+        ks = np.flatnonzero(held)
+        if not len(ks):
+            return
+        want = np.concatenate([self._chunk_sizes(k)[self.bounds[k, p]:self.bounds[k, p + 1]]
+                               for k in ks.tolist()])
+        raw = np.repeat(np.array([self.entries[k].codec is None for k in ks.tolist()]),
+                        held[ks])
+        bad = np.flatnonzero(rows_bad(columns[1], columns[2], columns[3], want, raw))
+        if len(bad):
+            j = int(bad[0])
+            k = int(ks[np.searchsorted(np.cumsum(held[ks]), j, side="right")])
+            c = int(self.bounds[k, p]) + j - int(self.base[k, p])
+            e = self.entries[k]
+            raise FormatError(f"tensor {e.key!r:.200}: {_chunk_problems(e, [(c, rows[j])])}")
+
+    def _chunk_sizes(self, k: int) -> np.ndarray:
+        got = self._sizes.get(k)
+        if got is None:
+            e = self.entries[k]
+            got = self._sizes[k] = _chunk_sizes(e.shape, e.chunk_rows, e.chunk_shape,
+                                                e.dtype.itemsize, int(self.counts[k]))
+        return got
+
+
+class PartedRows(LazyChunks):
+    """The chunk references of tensor `k` of a parted segment: chunk j comes from the part
+    holding it (SegmentParts.rows), read and checked when first needed. Equal to any
+    sequence of the same ChunkRefs."""
+
+    __slots__ = ("_k", "_parts")
+
+    def __init__(self, parts: SegmentParts, k: int) -> None:
+        self._parts = parts
+        self._k = k
+
+    @property
+    def parts(self) -> SegmentParts:
+        return self._parts
+
+    def __len__(self) -> int:
+        return int(self._parts.counts[self._k])
+
+    @overload
+    def __getitem__(self, j: int) -> ChunkRef: ...
+    @overload
+    def __getitem__(self, j: slice) -> tuple[ChunkRef, ...]: ...
+
+    def __getitem__(self, j: int | slice) -> ChunkRef | tuple[ChunkRef, ...]:
+        if isinstance(j, slice):
+            return tuple(self[i] for i in range(*j.indices(len(self))))
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(j)
+        p, row = self._parts.row_of(self._k, j)
+        return self._parts.rows(p)[row]
+
+    def __iter__(self) -> Iterator[ChunkRef]:
+        parts, k = self._parts, self._k
+        for p in range(len(parts.refs)):
+            n = int(parts.held[k, p])
+            if n:
+                start = int(parts.base[k, p])
+                yield from parts.rows(p)[start:start + n]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or len(other) != len(self):
+            return False
+        return all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"PartedRows({len(self)} chunks in {len(self._parts.refs)} parts)"
+
+    def __copy__(self) -> PartedRows:  # read-only: a copy is the same rows
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PartedRows:
+        return self
+
+
+def segment_parts(entries: Sequence[TensorEntry]) -> SegmentParts | None:
+    """The parts of the parted segment these entries were decoded from, or None."""
+    for e in entries:
+        if isinstance(e.chunks, PartedRows):
+            return e.chunks.parts
+    return None
 
 
 def _fields(rec: Any, i: int) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
@@ -286,7 +585,8 @@ class SegmentedEntries(Sequence[TensorEntry]):
                 ref = self.refs[s]
                 data = self._bytes(ref)
                 with paused_collector():  # a short CPU-bound step: see collector.py
-                    got = self._parsed[s] = decode(data, ref, self._where)
+                    got = self._parsed[s] = decode(data, ref, self._where,
+                                                   self._source)
             return got
 
     def read_segment(self, s: int) -> list[TensorEntry]:
@@ -299,7 +599,7 @@ class SegmentedEntries(Sequence[TensorEntry]):
         ref = self.refs[s]
         data = self._bytes(ref)
         with paused_collector():
-            return decode(data, ref, self._where)
+            return decode(data, ref, self._where, self._source)
 
     def _bytes(self, ref: SegmentRef) -> bytes:
         if self._source is None:
@@ -312,7 +612,8 @@ class SegmentedEntries(Sequence[TensorEntry]):
         straight from its bytes (not kept, no entries built; see `chunk_columns`)."""
         for s, ref in enumerate(self.refs):
             got = self._parsed.get(s)
-            yield got if got is not None else chunk_columns(self._bytes(ref), ref, self._where)
+            yield got if got is not None else chunk_columns(self._bytes(ref), ref,
+                                                            self._where, self._source)
 
     def chunk_tables(self) -> Iterator[ChunkTable]:
         """The chunk references of each segment in order, as columns: a segment already
@@ -321,9 +622,11 @@ class SegmentedEntries(Sequence[TensorEntry]):
         for s, ref in enumerate(self.refs):
             got = self._parsed.get(s)
             if got is not None:
-                yield ChunkTable.of(got)
+                shared = segment_parts(got)
+                table = ChunkTable.of(got)
+                yield table if shared is None else replace(table, parts=shared.refs)
                 continue
-            yield chunk_table(self._bytes(ref), ref, self._where)
+            yield chunk_table(self._bytes(ref), ref, self._where, self._source)
 
     @overload
     def __getitem__(self, i: int) -> TensorEntry: ...

@@ -27,7 +27,7 @@ from ..errors import FormatError, IntegrityError, ObjectNotFoundError, StoreErro
 from ..format.hashing import XXH3_128, HashAlgorithm
 from ..format.manifest import ChunkRef, Manifest, TensorEntry
 from ..format.segment_encoding import IndexBlob
-from ..format.segments import SegmentedEntries
+from ..format.segments import SegmentedEntries, segment_parts
 from ..format.tree_pages import page_loads
 from ..layout import BLOB_PREFIX, blob_key, blob_of_key
 from ..stores.base import Buffer, Store
@@ -182,9 +182,9 @@ def _unchecked_uses(store: Store, m: Manifest, report: VerifyReport, chosen: set
 def _readable_entries(store: Store, m: Manifest, report: VerifyReport
                       ) -> Iterator[TensorEntry]:
     """The tensor entries of `m`, a segment at a time (not kept). A version-3 manifest's index
-    blobs (its tree, its pages and its segments) are read and checked whole, always; one
-    that is missing or damaged is a problem of the report, and a segment's tensors' chunks
-    then cannot be checked."""
+    blobs (its tree, its pages, its segments and their parts) are read and checked whole,
+    always; one that is missing or damaged is a problem of the report, and a segment's
+    tensors' chunks then cannot be checked."""
     entries = m.tensors
     if not isinstance(entries, SegmentedEntries):
         yield from entries
@@ -194,10 +194,17 @@ def _readable_entries(store: Store, m: Manifest, report: VerifyReport
         for page, read in page_loads(tree):
             _index_blob(store, m, report, page, read, "(state tree page)")
     for s, ref in enumerate(entries.refs):
-        part = _index_blob(store, m, report, ref, functools.partial(entries.read_segment, s),
-                           "(index segment)")
-        if part is not None:
-            yield from part
+        got = _index_blob(store, m, report, ref, functools.partial(entries.read_segment, s),
+                          "(index segment)")
+        if got is None:
+            continue
+        shared = segment_parts(got)  # a parted segment: each part checked as a blob too
+        if shared is not None:
+            found = [_index_blob(store, m, report, part, read, "(index segment part)")
+                     for part, read in shared.loads()]  # every part, each problem reported
+            if any(rows is None for rows in found):
+                continue
+        yield from got
 
 
 def _index_blob(store: Store, m: Manifest, report: VerifyReport, ref: IndexBlob,

@@ -142,10 +142,12 @@ def build_segments(writer: CheckpointWriter, rows: np.ndarray, plan: RankPlan,
             continue
         entries, mine = _build_segment(s, span, rows, plan, leaves, storage,
                                        writer.options.compression)
-        data = encode_columns(entries, mine["blob"], mine["offset"], mine["size"],
-                              mine["nbytes"], mine["digest"])
-        digest = algorithm.digest(data)
-        writer.put_index_blob(digest, data)
-        out.append([s, digest, len(data), len(span), sum(t.nbytes for t in entries)])
+        encoded = encode_columns(entries, mine["blob"], mine["offset"], mine["size"],
+                                 mine["nbytes"], mine["digest"], algorithm)
+        for part, data in encoded.parts:  # named by the head alone: never taken as known
+            writer.put_index_blob(part.digest, data, always=True)  # (rank 0 confirms none)
+        writer.put_index_blob(encoded.ref.digest, encoded.head)
+        ref = encoded.ref
+        out.append([s, ref.digest, ref.size, ref.tensors, ref.nbytes])
     writer.store.sync()
     return out

@@ -589,10 +589,10 @@ class CheckpointWriter:
         with self._claim_lock:
             return wanted - self._claimed
 
-    def put_index_blob(self, digest: str, data: bytes) -> None:
+    def put_index_blob(self, digest: str, data: bytes, always: bool = False) -> None:
         """Write an index blob (a segment) this save built, unless the store is known to
-        hold it; durable at the next `store.sync()`."""
-        if digest in self.known.index_blobs:
+        hold it (`always`: even then); durable at the next `store.sync()`."""
+        if digest in self.known.index_blobs and not always:
             return
         with self._claim_lock:
             self._claimed.add(digest)

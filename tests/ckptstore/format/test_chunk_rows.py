@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from ckptstore import CheckpointStore, FormatError, Shard
 from ckptstore.format.codecs import Codec
 from ckptstore.format.dtypes import DTYPES
+from ckptstore.format.hashing import hash_algorithm
 from ckptstore.format.manifest import (
     ROWS_ABOVE,
     ChunkRef,
@@ -70,7 +71,8 @@ def entry(key: str, shape: tuple[int, ...], rows: int, grid: tuple[int, ...] | N
 ENTRIES = [entry("rows", (131, 6), 2, seed=1), entry("grid", (31, 52), 3, (3, 5), seed=2),
            entry("zstd", (200,), 2, codec=ZSTD, seed=3), entry("few", (4, 3), 1, seed=4),
            entry("scalar", (), 1, seed=5)]
-SEGMENT = encode(ENTRIES)
+ALG = hash_algorithm("xxh3-128")
+SEGMENT = encode(ENTRIES, ALG).head
 REF = SegmentRef("0" * 32, len(SEGMENT), len(ENTRIES), sum(e.nbytes for e in ENTRIES))
 
 
@@ -88,7 +90,7 @@ def test_entries_of_many_chunks_decode_to_columns_equal_to_their_chunk_refs() ->
         assert copy.deepcopy(g) == copy.copy(g) == want  # immutable views: copies are free
         with pytest.raises(IndexError):
             g.chunks[len(want.chunks)]
-    assert encode(got) == SEGMENT
+    assert encode(got, ALG).head == SEGMENT
 
 
 def test_entries_decoded_from_a_mutable_buffer_do_not_change_with_it() -> None:
@@ -120,7 +122,7 @@ def test_a_rule_broken_in_one_row_is_refused_as_a_chunk_ref_is(which: int, rule:
         return
     assert f"chunk {k}" in message, message
     entries = [bad if e is victim else e for e in ENTRIES]
-    data = encode(entries)
+    data = encode(entries, ALG).head
     ref = SegmentRef("0" * 32, len(data), len(entries), REF.nbytes + bad.nbytes - victim.nbytes)
     with pytest.raises(FormatError) as err:
         decode(data, ref, "x")
@@ -166,8 +168,8 @@ def test_a_segment_encoded_from_columns_is_the_one_encoded_from_entries(order: s
                           np.array([c.offset for c in chunks], np.uint64),
                           np.array([c.size for c in chunks], np.uint64),
                           np.array([c.nbytes for c in chunks], np.uint64),
-                          raw([c.digest for c in chunks]))
-    assert data == encode(entries)
+                          raw([c.digest for c in chunks]), ALG).head
+    assert data == encode(entries, ALG).head
     assert decode(data, SegmentRef("0" * 32, len(data), len(entries), REF.nbytes), "x") == entries
 
 

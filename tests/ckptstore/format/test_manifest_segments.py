@@ -23,6 +23,7 @@ import ckptstore
 from ckptstore import CheckpointStore, FormatError
 from ckptstore.format import segments as segments_mod
 from ckptstore.format.codecs import Codec
+from ckptstore.format.hashing import hash_algorithm
 from ckptstore.format.manifest import FORMAT_VERSION, SEGMENTED_VERSION
 from ckptstore.format.manifest_parse import parse_manifest
 from ckptstore.format.segment_encoding import (
@@ -350,13 +351,14 @@ def test_root_damage_is_refused(tmp_path: Path) -> None:
 SAMPLE = CheckpointStore("memory://segment-sample")
 SAMPLE.save("s", big_state(n=SEGMENTED_ABOVE_TENSORS + 20))
 ENTRIES = list(SAMPLE.manifest("s").tensors)[:40]
-SEGMENT = encode(ENTRIES)
+ALG = hash_algorithm("xxh3-128")
+SEGMENT = encode(ENTRIES, ALG).head
 REF = SegmentRef("0" * 32, len(SEGMENT), len(ENTRIES), sum(t.nbytes for t in ENTRIES))
 
 
 def test_encode_decode_is_exact_and_deterministic() -> None:
     assert decode(SEGMENT, REF, "x") == ENTRIES
-    assert encode(decode(SEGMENT, REF, "x")) == SEGMENT
+    assert encode(decode(SEGMENT, REF, "x"), ALG).head == SEGMENT
     spans = cut(ENTRIES)
     assert [i for s in spans for i in s] == list(range(len(ENTRIES)))
 
@@ -376,7 +378,7 @@ def test_chunk_columns_give_every_chunk_with_its_codec() -> None:
     entries = [replace(t, codec=zstd, chunks=tuple(replace(c, size=c.size - 1)
                                                    for c in t.chunks)) if i % 3 == 0 else t
                for i, t in enumerate(ENTRIES)]
-    data = encode(entries)
+    data = encode(entries, ALG).head
     ref = SegmentRef("0" * 32, len(data), len(entries), REF.nbytes)
     cols = chunk_columns(data, ref, "x")
     chunks = [(c, t.codec) for t in entries for c in t.chunks]
@@ -389,7 +391,7 @@ def test_chunk_columns_give_every_chunk_with_its_codec() -> None:
     # a raw chunk whose stored size is not its raw size would be read wrong: refused
     bad = [replace(t, chunks=(replace(t.chunks[0], size=t.chunks[0].size + 1),
                               *t.chunks[1:])) if i == 1 else t for i, t in enumerate(ENTRIES)]
-    data = encode(bad)
+    data = encode(bad, ALG).head
     with pytest.raises(FormatError, match="raw chunk's stored size"):
         chunk_columns(data, SegmentRef("0" * 32, len(data), len(bad), REF.nbytes), "x")
 
@@ -428,7 +430,7 @@ def test_a_damaged_parent_chunk_reference_is_never_committed_again(tmp_path: Pat
     entries = list(m.tensors[:doc["segments"][0]["tensors"]])
     victim = entries[3]
     entries[3] = replace(victim, chunks=(replace(victim.chunks[0], offset=1 << 63),))
-    data = encode(entries)
+    data = encode(entries, ALG).head
     repo = CheckpointStore(str(tmp_path))
     digest = repo.hash.digest(data)
     repo.store.put(blob_key(digest), data)

@@ -135,6 +135,7 @@ def test_segments_built_from_the_rows_of_128_ranks_are_those_a_writer_encodes(tm
     from ckptstore.format.manifest import ChunkRows
     from ckptstore.format.manifest_parse import parse_manifest
     from ckptstore.format.segment_encoding import encode
+    from ckptstore.format.segments import PartedRows
     from ckptstore.layout import blob_key, manifest_key, segments_in
     from ckptstore.stores import open_store
 
@@ -145,14 +146,18 @@ def test_segments_built_from_the_rows_of_128_ranks_are_those_a_writer_encodes(tm
     algorithm = hash_algorithm("xxh3-128")
     m = parse_manifest(store.get(manifest_key("sim")), "sim", algorithm,
                        segments_in([store], algorithm))
-    start = 0
+    start = parted = 0
     for ref in m.segment_refs():
         entries = list(m.tensors[start:start + ref.tensors])
         start += ref.tensors
-        assert all(type(e.chunks) is ChunkRows for e in entries)
-        assert encode([replace(e, chunks=tuple(e.chunks)) for e in entries]) == store.get(
-            blob_key(ref.digest))
+        assert all(type(e.chunks) in (ChunkRows, PartedRows) for e in entries)
+        encoded = encode([replace(e, chunks=tuple(e.chunks)) for e in entries], algorithm)
+        assert encoded.head == store.get(blob_key(ref.digest))
+        for part, data in encoded.parts:
+            assert store.get(blob_key(part.digest)) == data
+        parted += bool(encoded.parts)
     assert start == len(m.tensors) == out["tensors"]
+    assert parted  # every rank's rows of a tensor: parted segments
 
 
 def test_replicated_chunks_are_balanced_and_the_same_on_every_rank():

@@ -1,0 +1,310 @@
+"""Parted index segments (docs/format.md §3.4, "Parted segments"): a segment of many chunks,
+where tensors hold many each (a collective save's: every rank a slice of every tensor), keeps
+its records in its head and its chunk rows in parts, part p holding the same slice of every
+tensor's chunk list, so a rank reads its part, not every rank's rows.
+
+What is checked (each fails when its rule is broken):
+* parted entries decode equal to the entries encoded, and encode back to the same blobs; a
+  segment built from columns (a collective save's builder) is the same head and parts;
+* a read of one chunk fetches the head and the one part holding it; a rank's slice of every
+  tensor fetches at most two parts (its own, and part 0 for tensors of one chunk);
+* a rule broken in one row of a part is refused, when that part is read, with the message a
+  ChunkRef gets; the other parts still serve; a missing or wrongly framed part is refused;
+* chunk tables (gc, space) and chunk columns (incremental saves) of a parted segment equal
+  those of the same entries unparted, and name the parts among the checkpoint's blobs;
+* through a repository: a parted checkpoint loads back, verify checks every part (and names
+  a damaged one), gc keeps the parts while the checkpoint lives and frees them after, a copy
+  carries them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckptstore import CheckpointStore, FormatError
+from ckptstore.format import segment_encoding
+from ckptstore.format.codecs import Codec
+from ckptstore.format.dtypes import DTYPES
+from ckptstore.format.hashing import hash_algorithm
+from ckptstore.format.manifest import ChunkRef, ChunkTable, TensorEntry, chunk_region, entry_problem
+from ckptstore.format.manifest import expected_chunk_count as count_of
+from ckptstore.format.segment_encoding import (
+    PART_CHUNKS,
+    EncodedSegment,
+    IndexBlob,
+    encode,
+    encode_columns,
+    part_count,
+)
+from ckptstore.format.segments import PartedRows, chunk_columns, chunk_table, decode
+from ckptstore.layout import blob_key
+from ckptstore.tools.copying import copy_checkpoints
+
+F32 = DTYPES["float32"]
+ALG = hash_algorithm("xxh3-128")
+WORLD = 96  # "ranks": tensors of WORLD chunks, as FSDP row shards give
+
+
+def entry(key: str, shape: tuple[int, ...], rows: int, seed: int,
+          codec: Codec | None = None, grid: tuple[int, ...] | None = None) -> TensorEntry:
+    """A valid entry with distinct digests; raw chunks share blobs eight to a blob."""
+    n = count_of(shape, rows, F32.itemsize, grid)
+    block = grid if grid is not None else (rows, *shape[1:])
+    chunks = []
+    for i in range(n):
+        nbytes = math.prod(b - a for a, b in chunk_region(shape, block, i)) * F32.itemsize
+        digest = f"{seed:08x}{i:024x}"
+        if codec is None:
+            chunks.append(ChunkRef(f"{seed + (1 << 31):08x}{i // 8:024x}", (i % 8) * 4096,
+                                   nbytes, nbytes, digest))
+        else:
+            chunks.append(ChunkRef(digest, 0, max(1, nbytes // 3), nbytes, digest))
+    e = TensorEntry(key, "torch", F32, shape, rows, codec, tuple(chunks), chunk_shape=grid)
+    assert entry_problem(e) is None, entry_problem(e)
+    return e
+
+
+# 60 tensors sharded over WORLD ranks (one chunk each), a compressed one, an N-D grid, and
+# replicated tensors of one chunk
+ENTRIES = [entry(f"layers.{i}.w", (WORLD * 4, 8), 4, seed=i) for i in range(60)] + [
+    entry("zstd", (WORLD * 2,), 2, seed=100, codec=Codec("zstd", 3)),
+    entry("grid", (WORLD, 16), 2, seed=101, grid=(2, 8)),
+    *(entry(f"norm.{i}", (8,), 8, seed=200 + i) for i in range(5))]
+ENCODED = encode(ENTRIES, ALG)
+
+
+class Source:
+    """Index blobs by digest, counting what is fetched."""
+
+    def __init__(self, encoded: EncodedSegment) -> None:
+        self.blobs = {ref.digest: data for ref, data in encoded.blobs()}
+        self.fetched: list[str] = []
+
+    def __call__(self, ref: IndexBlob) -> bytes:
+        self.fetched.append(ref.digest)
+        if ref.digest not in self.blobs:
+            raise FormatError(f"index blob {ref.digest} has no good copy: missing")
+        return self.blobs[ref.digest]
+
+
+def decoded(encoded: EncodedSegment = ENCODED) -> tuple[list[TensorEntry], Source]:
+    source = Source(encoded)
+    return decode(encoded.head, encoded.ref, "x", source), source
+
+
+def test_a_segment_of_many_sharded_tensors_is_parted_and_decodes_equal() -> None:
+    total = sum(len(e.chunks) for e in ENTRIES)
+    assert len(ENCODED.parts) == part_count([len(e.chunks) for e in ENTRIES]) == \
+        -(-total // PART_CHUNKS) > 1
+    got, source = decoded()
+    assert source.fetched == []  # the head alone so far
+    assert all(type(e.chunks) is PartedRows for e in got)
+    assert got == ENTRIES
+    for g, want in zip(got, ENTRIES):
+        assert list(g.chunks) == list(want.chunks)
+        assert [g.chunks[i] for i in range(-len(want.chunks), len(want.chunks))] == [
+            *want.chunks, *want.chunks]
+        assert g.chunks[3:50:7] == want.chunks[3:50:7]
+        assert hash(g) == hash(want)
+        with pytest.raises(IndexError):
+            g.chunks[len(want.chunks)]
+    again = encode(got, ALG)
+    assert again == ENCODED
+
+
+def test_a_small_segment_or_one_of_single_chunk_tensors_is_not_parted() -> None:
+    assert not encode(ENTRIES[:4], ALG).parts  # few chunks
+    many = [entry(f"t{i}", (4,), 4, seed=i) for i in range(5000)]  # one chunk each
+    assert part_count([1] * 5000) == 1 and not encode(many, ALG).parts
+
+
+def test_one_chunk_reads_the_head_and_one_part_and_a_rank_reads_at_most_two() -> None:
+    got, source = decoded()
+    parts = len(ENCODED.parts)
+    rank = 77
+    assert got[5].chunks[rank].digest == ENTRIES[5].chunks[rank].digest
+    assert source.fetched == [ENCODED.parts[rank * parts // WORLD][0].digest]
+    used = 0
+    for e, want in zip(got, ENTRIES):  # rank `rank`'s rows of every tensor: all of one chunk
+        rows = (0, e.shape[0]) if len(e.chunks) == 1 else (e.shape[0] * rank // WORLD,
+                                                             e.shape[0] * (rank + 1) // WORLD)
+        for c, _box, _slices in e.chunks_over([rows, *((0, d) for d in e.shape[1:])]):
+            assert e.chunks[c] == want.chunks[c]
+            used += 1
+    assert used == 60 + 1 + 2 + 5  # its chunk of each sharded tensor (two of the grid's)
+    assert len(set(source.fetched)) <= 2, source.fetched
+    assert ENCODED.parts[0][0].digest in source.fetched  # the replicated tensors' part
+
+
+def test_segments_built_from_columns_are_the_same_head_and_parts() -> None:
+    for entries in (ENTRIES, ENTRIES[::-1]):  # two first-use orders of the blob tables
+        chunks = [c for e in entries for c in e.chunks]
+
+        def raw(hexes: list[str]) -> np.ndarray:
+            return np.frombuffer(bytes.fromhex("".join(hexes)), np.uint8).reshape(-1, 16)
+
+        built = encode_columns(entries, raw([c.blob for c in chunks]),
+                               np.array([c.offset for c in chunks], np.uint64),
+                               np.array([c.size for c in chunks], np.uint64),
+                               np.array([c.nbytes for c in chunks], np.uint64),
+                               raw([c.digest for c in chunks]), ALG)
+        assert built == encode(entries, ALG) and built.parts
+
+
+@pytest.mark.parametrize("victim, k", [(7, 50), (60, 90), (61, 40)])
+def test_a_broken_row_is_refused_when_its_part_is_read_as_a_chunk_ref_is(
+        victim: int, k: int) -> None:
+    e = ENTRIES[victim]
+    bad = replace(e, chunks=(*e.chunks[:k], replace(e.chunks[k], nbytes=e.chunks[k].nbytes + 4),
+                             *e.chunks[k + 1:]))
+    message = entry_problem(bad)
+    assert message is not None and f"chunk {k}" in message
+    entries = [bad if x is e else x for x in ENTRIES]
+    encoded = encode(entries, ALG)
+    got, _source = decoded(encoded)  # the head holds no rows: it decodes
+    parts = len(encoded.parts)
+    home = k * parts // len(e.chunks)
+    with pytest.raises(FormatError) as err:
+        got[victim].chunks[k]
+    assert message in str(err.value) and f"part {home}" in str(err.value)
+    assert repr(e.key) in str(err.value)
+    other = next(c for c in range(len(e.chunks)) if c * parts // len(e.chunks) != home)
+    assert got[victim].chunks[other] == e.chunks[other]  # other parts still serve
+    with pytest.raises(FormatError):
+        list(got[victim].chunks)
+
+
+def test_a_missing_or_misframed_part_is_refused_on_use() -> None:
+    got, source = decoded()
+    first = ENCODED.parts[0][0].digest
+    del source.blobs[first]
+    with pytest.raises(FormatError, match="part 0.*no good copy"):
+        got[0].chunks[0]
+    assert got[0].chunks[len(got[0].chunks) - 1] == ENTRIES[0].chunks[-1]
+    # a part's bytes that frame fewer rows than the records place there
+    got, source = decoded()
+    ref1, data1 = ENCODED.parts[1]
+    source.blobs[ref1.digest] = data1[:-60]
+    with pytest.raises(FormatError, match="part 1"):
+        list(got[0].chunks)
+    got, source = decoded()
+    source.blobs[ref1.digest] = b"CKSTSEG\x01" + data1[8:]  # not a part
+    with pytest.raises(FormatError, match="part 1.*not a part"):
+        list(got[0].chunks)
+
+
+def test_a_head_with_rows_of_its_own_or_bad_part_refs_is_refused() -> None:
+    head = ENCODED.head
+    # the part list, then a head claiming one chunk row besides its parts
+    own_row = head[:16] + (1).to_bytes(4, "little") + head[20:] + bytes(44)
+    with pytest.raises(FormatError, match="chunk rows of its own"):
+        decode(own_row, replace(ENCODED.ref, size=len(own_row)), "x", Source(ENCODED))
+    text = head.replace(ENCODED.parts[0][0].digest.encode(), b"not-a-digest-at-all-000000000000")
+    assert len(text) == len(head)
+    with pytest.raises(FormatError, match="part 0 must be"):
+        decode(text, ENCODED.ref, "x", Source(ENCODED))
+
+
+def test_chunk_tables_and_columns_equal_the_unparted_ones_and_name_the_parts() -> None:
+    source = Source(ENCODED)
+    table = chunk_table(ENCODED.head, ENCODED.ref, "x", source)
+    want = ChunkTable.of(ENTRIES)
+    assert sorted(table.ranges()) == sorted(want.ranges())
+    assert table.extents() == want.extents()
+    assert [p.digest for p in table.parts] == [ref.digest for ref, _d in ENCODED.parts]
+    cols = chunk_columns(ENCODED.head, ENCODED.ref, "x", Source(ENCODED))
+    flat = [c for e in ENTRIES for c in e.chunks]
+    assert [cols.ref(j) for j in range(len(flat))] == flat
+    assert cols.digests == [c.digest for c in flat]
+    by = cols.by_codec()
+    assert by[None][ENTRIES[3].chunks[9].digest] == 3 * WORLD + 9
+    zstd = ENTRIES[60]
+    assert by[zstd.codec][zstd.chunks[1].digest] == 60 * WORLD + 1
+    with pytest.raises(FormatError, match="not available"):
+        chunk_table(ENCODED.head, ENCODED.ref, "x")
+
+
+# through a repository ------------------------------------------------------------------
+
+def _parted_state() -> dict[str, torch.Tensor]:
+    """Five tensors of 100 one-row chunks and 1,030 small ones (a version-3 manifest)."""
+    g = torch.Generator().manual_seed(3)
+    state = {f"big{i}": torch.randn(100, 16, generator=g) for i in range(5)}
+    state.update({f"small{i:04d}": torch.randn(4, generator=g) for i in range(1030)})
+    return state
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository holding checkpoint "a" of `_parted_state`, its segment of the big
+    tensors parted (the writer's thresholds lowered, so that a few hundred chunk files
+    do)."""
+    root = tmp_path_factory.mktemp("parted") / "r"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(segment_encoding, "PART_ABOVE_CHUNKS", 256)
+        mp.setattr(segment_encoding, "PART_CHUNKS", 64)
+        CheckpointStore(str(root), chunk_bytes=64).save("a", _parted_state(), parent=None)
+    return root
+
+
+def _repo(saved: Path, at: Path) -> CheckpointStore:
+    """A copy of the saved repository (a fresh process's view of it)."""
+    shutil.copytree(saved, at)
+    return CheckpointStore(str(at), create=False)
+
+
+def _parts_of(repo: CheckpointStore, name: str) -> list[str]:
+    m = repo.manifest(name)
+    return [p.digest for table in m.chunk_tables() for p in table.parts]
+
+
+def test_a_parted_checkpoint_loads_verifies_gcs_and_copies(saved: Path, tmp_path: Path
+                                                           ) -> None:
+    repo, state = _repo(saved, tmp_path / "r"), _parted_state()
+    parts = _parts_of(repo, "a")
+    assert len(parts) > 1
+    assert all(os.path.exists(tmp_path / "r" / blob_key(p)) for p in parts)
+    got = CheckpointStore(str(tmp_path / "r"), create=False).load("a")
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert repo.verify().ok
+    assert set(parts) <= repo.manifest("a").blob_digests()
+    repo.gc(grace_seconds=0)  # everything referenced: the parts stay
+    assert all(os.path.exists(tmp_path / "r" / blob_key(p)) for p in parts)
+    again = CheckpointStore(str(tmp_path / "r"), create=False).load("a")
+    assert all(torch.equal(again[k], v) for k, v in state.items())
+
+    copy = CheckpointStore(str(tmp_path / "copy"))
+    copy_checkpoints(repo, copy, ["a"])
+    assert all(os.path.exists(tmp_path / "copy" / blob_key(p)) for p in parts)
+    copied = copy.load("a")
+    assert all(torch.equal(copied[k], v) for k, v in state.items())
+
+    repo.delete("a")
+    repo.gc(grace_seconds=0, now=time.time() + 86_400)  # past the least blob age
+    assert not any(os.path.exists(tmp_path / "r" / blob_key(p)) for p in parts)
+
+
+def test_verify_names_a_damaged_part_and_a_load_refuses_it(saved: Path, tmp_path: Path
+                                                          ) -> None:
+    repo = _repo(saved, tmp_path / "r")
+    victim = _parts_of(repo, "a")[1]
+    path = tmp_path / "r" / blob_key(victim)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    report = CheckpointStore(str(tmp_path / "r"), create=False).verify()
+    assert not report.ok
+    assert [p.blob for p in report.problems] == [victim]
+    assert "(index segment part)" in report.problems[0].keys
+    with pytest.raises(FormatError, match=victim):
+        CheckpointStore(str(tmp_path / "r"), create=False).load("a")
