@@ -6,16 +6,18 @@ one or more source trees side by side (before and after a change).
 
 The checkpoint is the committed manifest of a simulated collective save by rank plans
 (scale/rank_plans.py `simulate`: Llama-2-7B, FSDP-style row shards on W ranks; index
-segments and root written, no tensor bytes). Each process, for each source tree in turn,
+segments and root written, no tensor bytes), written by each source tree's own code (its
+format may differ) into a folder of its own. Each process, for each source tree in turn,
 parses the root and runs rank W/2's restore plan (`rank_plans._restore_refs`: every entry
-read, the chunks holding its rows found, their references built): seconds, peak RSS, and
-the references built. Segments come from the page cache after the first run; `--reps`
-alternates the trees.
+read, the chunks holding its rows found, their references built): seconds, peak RSS, the
+references built, and the index blobs it read (root included) against the whole index.
+Blobs come from the page cache after the first run; `--reps` alternates the trees.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent.parent  # bench/
 
@@ -39,13 +42,31 @@ def measure(folder: str, world: int) -> dict[str, float | int]:
     t0 = time.perf_counter()
     store = open_store(folder)
     algorithm = hash_algorithm("xxh3-128")
-    manifest = parse_manifest(store.get(manifest_key("sim")), "sim", algorithm,
-                              segments_in([store], algorithm))
+    source = segments_in([store], algorithm)
+    read: list[int] = []
+
+    def counted(ref: Any) -> bytes:
+        data = source(ref)
+        read.append(len(data))
+        return data
+
+    root = store.get(manifest_key("sim"))
+    manifest = parse_manifest(root, "sim", algorithm, counted)
     refs = _restore_refs(manifest, world, world // 2)
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "refs": refs,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "segments": len(manifest.segment_refs())}
+            "segments": len(manifest.segment_refs()), "blobs_read": len(read),
+            "index_read_bytes": len(root) + sum(read),
+            "index_bytes": len(root) + sum(i.size for i in store.list("blobs/"))}
+
+
+def _folder(base: str, world: int, source: str) -> str:
+    return f"{base}-{world}-{hashlib.sha256(source.encode()).hexdigest()[:8]}"
+
+
+def _env(source: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{HERE}", "PYTHONSAFEPATH": "1"}
 
 
 def main() -> None:
@@ -56,30 +77,39 @@ def main() -> None:
     ap.add_argument("--folder", default="/tmp/ckpt-restore-plan")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    folder = f"{args.folder}-{args.world}"
-    if args.worker:
-        print(json.dumps(measure(folder, args.world)))
+    if args.worker or args.simulate:  # in a process importing one source tree
+        folder = args.folder
+        if args.simulate:
+            from .rank_plans import simulate
+
+            made = simulate(folder, "7b", False, args.world)
+            print(f"simulated save at {args.world:,} ranks: {made['chunks']:,} chunks in "
+                  f"{made['segments']} segments", file=sys.stderr)
+        else:
+            print(json.dumps(measure(folder, args.world)))
         return
     if not args.source:
         ap.error("name at least one --source")
-    if not Path(folder, "checkpoints").exists():
-        from .rank_plans import simulate
-
-        made = simulate(folder, "7b", False, args.world)
-        print(f"simulated save at {args.world:,} ranks: {made['chunks']:,} chunks in "
-              f"{made['segments']} segments", file=sys.stderr)
+    for source in args.source:
+        folder = _folder(args.folder, args.world, source)
+        if not Path(folder, "checkpoints").exists():
+            subprocess.run([sys.executable, "-m", "scale.restore_plan", "--simulate",
+                            "--world", str(args.world), "--folder", folder],
+                           env=_env(source), cwd=HERE, check=True)
     for rep in range(args.reps):
         for source in args.source:
-            env = {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{HERE}",
-                   "PYTHONSAFEPATH": "1"}
+            folder = _folder(args.folder, args.world, source)
             out = subprocess.run([sys.executable, "-m", "scale.restore_plan", "--worker",
-                                  "--world", str(args.world), "--folder", args.folder],
-                                 env=env, cwd=HERE, check=True, capture_output=True, text=True)
+                                  "--world", str(args.world), "--folder", folder],
+                                 env=_env(source), cwd=HERE, check=True, capture_output=True,
+                                 text=True)
             got = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"rep {rep + 1} {source}: {got['seconds']:.3f} s, peak RSS "
                   f"{got['peak_rss_mib']:.0f} MiB, {got['refs']} chunk refs built, "
-                  f"{got['segments']} segments read")
+                  f"{got['segments']} segments; read {got['blobs_read']} index blobs, "
+                  f"{got['index_read_bytes'] / 1e6:.2f} MB of {got['index_bytes'] / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Writing index segments, the per-tensor part of a version-3 manifest (docs/format.md §3b):
+"""Writing index segments, the per-tensor part of a version-3 manifest (docs/format.md §3.4):
 where a manifest is cut into segments and the bytes of each. `segments` reads them back.
 
 Segment bytes: MAGIC, then as u32 little-endian the JSON header's length, the blob count and

@@ -1,5 +1,5 @@
 """Reading index segments, the per-tensor part of a version-3 manifest, in compact binary
-blobs (docs/format.md §3b; their bytes: segment_encoding.py).
+blobs (docs/format.md §3.4; their bytes: segment_encoding.py).
 
 A version-3 manifest's root holds everything but the tensor entries, plus a list of
 segments (`SegmentRef`: digest, size, tensor count). Each segment is an ordinary blob, named
