@@ -139,9 +139,11 @@ def tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         rows = [[f"{'70B+Adam ' if r is big else ''}{r['world']:,}", f"{r['chunks']:,}",
                  _s(r["plan_s"]), _s(r["per_rank_s"]), f"{r['segments']:,}",
                  _s(r["build_s_max"]), _mib(r["build_received_max"]), _mib(r["gather_bytes"]),
-                 _s(r["commit_s"]), _mib(r.get("manifest_bytes", 0)), _mib(r["index_bytes"]),
+                 _s(r["commit_s"]), _mib(r.get("manifest_bytes", 0)),
+                 _mib(r.get("index_total_bytes", r["index_bytes"])),
                  "yes" if r.get("committed") and r.get("read_back") else "NO",
-                 _s(r["restore_plan_s"]) if "restore_plan_s" in r else ""]
+                 _s(r["restore_plan_s"]) if "restore_plan_s" in r else "",
+                 _mib(r["restore_index_bytes"]) if "restore_index_bytes" in r else ""]
                 for r in [*by_rank, *([big] if big else [])]]
         if rows:
             out.append(("collective by rank plans (training/rank_save.py), the same states "
@@ -150,7 +152,7 @@ def tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                         ["ranks", "chunks", "plan", "per rank (plan + send)", "segments",
                          "busiest builder", "its rows in", "gathered by rank 0",
                          "rank-0 commit", "root", "index blobs", "committed, read back",
-                         "a rank's restore plan"],
+                         "a rank's restore plan", "index it reads"],
                         rows))
         real, sim = p.get("real"), p.get("real_simulated")
         if real and sim:

@@ -20,9 +20,10 @@ import bisect
 import functools
 import json
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, overload
+from typing import Any, Generic, TypeVar, overload
 
 import numpy as np
 
@@ -69,6 +70,8 @@ __all__ = ["MAX_SEGMENT_BYTES", "ChunkColumns", "ChunkTable", "PartedRows", "Seg
            "decode", "segment_parts", "version_for"]
 
 _ROW_BYTES = sum(width for _dtype, width in CHUNK_COLUMNS) + DIGEST_BYTES
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def version_for(entries: Sequence[TensorEntry]) -> int:
@@ -397,9 +400,8 @@ class SegmentParts:
         self.entries: list[TensorEntry] = []  # set once built (the rules need them)
         self._source = source
         self._label = label
-        self._rows: dict[int, ChunkRows] = {}
+        self._rows: OnceEach[int, ChunkRows] = OnceEach(self._read)
         self._sizes: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()
 
     def row_of(self, k: int, c: int) -> tuple[int, int]:
         """(part, row in it) of chunk `c` of tensor `k`."""
@@ -407,15 +409,8 @@ class SegmentParts:
         return p, int(self.base[k, p]) + c - int(self.bounds[k, p])
 
     def rows(self, p: int) -> ChunkRows:
-        """Every chunk row of part `p`, read and checked on first use."""
-        got = self._rows.get(p)
-        if got is not None:
-            return got
-        with self._lock:
-            got = self._rows.get(p)
-            if got is None:
-                got = self._rows[p] = self._read(p)
-            return got
+        """Every chunk row of part `p`, read and checked on first use (parts concurrently)."""
+        return self._rows.get(p)
 
     def loads(self) -> list[tuple[PartRef, Callable[[], ChunkRows]]]:
         """Each part and the call that reads and checks it (for verify)."""
@@ -452,7 +447,7 @@ class SegmentParts:
             e = self.entries[k]
             raise FormatError(f"tensor {e.key!r:.200}: {_chunk_problems(e, [(c, rows[j])])}")
 
-    def _chunk_sizes(self, k: int) -> np.ndarray:
+    def _chunk_sizes(self, k: int) -> np.ndarray:  # (a race computes it twice: harmless)
         got = self._sizes.get(k)
         if got is None:
             e = self.entries[k]
@@ -475,6 +470,11 @@ class PartedRows(LazyChunks):
     @property
     def parts(self) -> SegmentParts:
         return self._parts
+
+    @property
+    def k(self) -> int:
+        """This tensor's place in its segment."""
+        return self._k
 
     def __len__(self) -> int:
         return int(self._parts.counts[self._k])
@@ -518,6 +518,52 @@ class PartedRows(LazyChunks):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PartedRows:
         return self
+
+
+def prefetch_chunks(wanted: Iterable[tuple[TensorEntry, int]], workers: int) -> None:
+    """Read the parts holding chunks (entry, index) of parted segments, `workers` at a time;
+    chunks of other entries need nothing. Errors are left to the accesses that need them."""
+    parts: dict[tuple[int, int], Callable[[], ChunkRows]] = {}
+    for e, c in wanted:
+        chunks = e.chunks
+        if isinstance(chunks, PartedRows) and 0 <= c < len(chunks):
+            p, _row = chunks.parts.row_of(chunks.k, c)
+            parts.setdefault((id(chunks.parts), p), functools.partial(chunks.parts.rows, p))
+    _concurrently(list(parts.values()), workers)
+
+
+def _concurrently(calls: list[Callable[[], Any]], workers: int) -> None:
+    """Run `calls` on up to `workers` threads; their errors are dropped (the access that needs
+    the result raises them again)."""
+    if len(calls) <= 1 or workers <= 1:
+        return
+    with ThreadPoolExecutor(min(workers, len(calls)), thread_name_prefix="ckpt-index") as pool:
+        for future in [pool.submit(call) for call in calls]:
+            future.exception()
+
+
+class OnceEach(Generic[K, V]):
+    """`get(key)` computes `make(key)` once per key and keeps it; different keys compute
+    concurrently, callers of one key wait for the first. A failed `make` is not kept (the
+    next `get` tries again). `done`: the values kept so far."""
+
+    def __init__(self, make: Callable[[K], V]) -> None:
+        self._make = make
+        self.done: dict[K, V] = {}
+        self._locks: dict[K, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, key: K) -> V:
+        got = self.done.get(key)
+        if got is not None:
+            return got
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            got = self.done.get(key)
+            if got is None:
+                got = self.done[key] = self._make(key)
+            return got
 
 
 def segment_parts(entries: Sequence[TensorEntry]) -> SegmentParts | None:
@@ -568,26 +614,30 @@ class SegmentedEntries(Sequence[TensorEntry]):
         self._starts = [0]
         for r in self.refs:
             self._starts.append(self._starts[-1] + r.tensors)
-        self._parsed: dict[int, list[TensorEntry]] = {}
-        self._lock = threading.Lock()
+        self._segments: OnceEach[int, list[TensorEntry]] = OnceEach(self._read)
+        self._parsed = self._segments.done
 
     def __len__(self) -> int:
         return self._starts[-1]
 
     def segment(self, s: int) -> list[TensorEntry]:
-        """The entries of segment `s`, read and validated on first use."""
-        got = self._parsed.get(s)
-        if got is not None:
-            return got
-        with self._lock:
-            got = self._parsed.get(s)
-            if got is None:
-                ref = self.refs[s]
-                data = self._bytes(ref)
-                with paused_collector():  # a short CPU-bound step: see collector.py
-                    got = self._parsed[s] = decode(data, ref, self._where,
-                                                   self._source)
-            return got
+        """The entries of segment `s`, read and validated on first use (segments
+        concurrently)."""
+        return self._segments.get(s)
+
+    def _read(self, s: int) -> list[TensorEntry]:
+        ref = self.refs[s]
+        data = self._bytes(ref)
+        with paused_collector():  # a short CPU-bound step: see collector.py
+            return decode(data, ref, self._where, self._source)
+
+    def prefetch(self, indexes: Iterable[int], workers: int) -> None:
+        """Read the segments holding tensors `indexes` that are not read yet, `workers` at a
+        time (a reader of many tensors hides the store's round trips); errors are left to
+        the accesses that need them."""
+        wanted = {bisect.bisect_right(self._starts, i) - 1 for i in indexes}
+        _concurrently([functools.partial(self.segment, s) for s in sorted(wanted)
+                       if s not in self._parsed], workers)
 
     def read_segment(self, s: int) -> list[TensorEntry]:
         """The entries of segment `s`, read and validated as `segment` does but not kept

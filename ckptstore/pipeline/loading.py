@@ -178,20 +178,24 @@ class LoadPlan:
 
 def plan_load(manifest: Manifest, into: Any = None, keys: Iterable[str] | None = None,
               strict: bool = True, max_alloc_bytes: int | None = None,
-              device: Any = None) -> LoadPlan:
+              device: Any = None, workers: int = 1) -> LoadPlan:
     """Plan a load (LoadPlan): select the tensors (`keys`: those subtrees), match them with
     the `into=` destinations, and check everything that can be checked without reading:
     requested keys exist, destinations fit (KeyMismatchError listing the problems; with
     `strict`, every destination must be in the checkpoint), and the tensors to create declare
     at most `max_alloc_bytes` (FormatError, see check_allocation). `device` ("cuda:0", a
     torch.device, a device seam; None or "cpu": host memory): where new torch tensors are
-    made (UnsupportedTypeError if it is not one, or not available)."""
+    made (UnsupportedTypeError if it is not one, or not available). `workers`: how many index
+    segments of a version-3 manifest are read at a time."""
     seam = _torch_interop().resolve_device(device) if device is not None else None
     keep = key_filter(keys)
     # per tensor only strings and temporaries: thousands of retained tuples would cost more
     # in the cyclic GC's full collections than building them
     key_of = tree_mod.leaf_keys(manifest.tree, keep)  # tied tensors: by a selected path
     selected = [i for i in range(len(manifest.tensors)) if i in key_of]
+    prefetch = getattr(manifest.tensors, "prefetch", None)  # a version-3 manifest's segments
+    if prefetch is not None:
+        prefetch(selected, workers)
     if keep is not None:
         _check_keys_exist(manifest, keys or [], keep)
     dests = tree_mod.flatten_arrays(into) if into is not None else {}
@@ -276,7 +280,8 @@ def load_state(reader: CheckpointReader, manifest: Manifest, into: Any = None,
     """Rebuild the saved state: `plan_load`, then `execute_load`. With `into`, tensors found
     in it by dotted key are filled in place and returned as the same objects; with `keys`,
     only those subtrees are loaded; with `device`, new torch tensors are made there."""
-    return execute_load(plan_load(manifest, into, keys, strict, max_alloc_bytes, device),
+    return execute_load(plan_load(manifest, into, keys, strict, max_alloc_bytes, device,
+                                  reader.options.workers),
                         reader)
 
 

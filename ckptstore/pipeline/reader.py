@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,8 @@ import numpy as np
 from ..concurrency import completed
 from ..errors import IntegrityError, ObjectNotFoundError, ShortReadError, StoreError
 from ..format.hashing import XXH3_128
-from ..format.manifest import ChunkRef, TensorEntry, chunks_meeting
+from ..format.manifest import ChunkRef, LazyChunks, TensorEntry, chunks_meeting
+from ..format.segments import prefetch_chunks
 from ..layout import blob_key
 from ..stores.base import Store
 from .budget import ByteBudget
@@ -90,6 +91,7 @@ class CheckpointReader:
         """Fill every target; raises IntegrityError naming tensor and blob on any bad chunk."""
         raw_groups: dict[str, list[_Piece]] = defaultdict(list)
         whole: list[_Piece] = []
+        prefetch_chunks(_lazy_chunks(targets), self.options.workers)  # parted index parts
         for t in targets:
             e = t.entry
             if t.buffer.nbytes != t.nbytes:
@@ -249,6 +251,17 @@ def _job_size(job: tuple[Callable[..., None], tuple[Any, ...]]) -> int:
     if isinstance(args[0], _Piece):
         return args[0].chunk.size
     return sum(p.chunk.size for p in args[1])
+
+
+def _lazy_chunks(targets: list[ReadTarget]) -> Iterator[tuple[TensorEntry, int]]:
+    """(entry, chunk index) of every chunk the targets read whose reference is read where it
+    is used (LazyChunks: a parted segment's)."""
+    for t in targets:
+        e = t.entry
+        if isinstance(e.chunks, LazyChunks):
+            want = t.rows or ((0, e.shape[0]) if e.shape else (0, 1))
+            for i in _chunks_of_rows(e, want):
+                yield e, i
 
 
 def _chunks_of_rows(e: TensorEntry, rows: tuple[int, int]) -> Iterable[int]:
