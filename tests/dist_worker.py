@@ -420,6 +420,8 @@ def tp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
             _tp_train(model, opt, rows, range(TP_STEPS))
             msd, osd = get_state_dict(model, opt)
             mgr.save(TP_STEPS, {"model": msd, "optim": osd})
+            # strided shards (several boxes per rank) are planned by each rank too
+            assert mgr._rank_memory.committed == f"step-{TP_STEPS}", "not by rank plans"
             saved = _full_states(model, opt)
             _tp_train(model, opt, rows, range(TP_STEPS, TP_STEPS + TP_MORE))
             final = _full_states(model, opt)

@@ -132,13 +132,26 @@ def hsdp_truth() -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.randn(64 + 8 * i, 48, generator=g) for i in range(6)}
 
 
+def strided_rows(n: int, i: int, j: int) -> list[int]:
+    """The rows of an n-row tensor that mesh coordinate (i, j) holds under (Shard(0),
+    _StridedShard(0, split_factor=2)): half i, cut in 4 pieces, pieces j and j + 2 (rows
+    far apart: two boxes per rank), as torch's DTensor places them."""
+    q = n // 8
+    return [*range(i * n // 2 + j * q, i * n // 2 + (j + 1) * q),
+            *range(i * n // 2 + (j + 2) * q, i * n // 2 + (j + 3) * q)]
+
+
 def hsdp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str) -> None:
     """4 ranks, a 2 x 2 mesh (Replicate, Shard(0)) as HSDP places parameters: each row range
-    is held by two ranks. Reports the chunks this rank wrote and its replica index."""
+    is held by two ranks. Reports the chunks this rank wrote and its replica index. Then a
+    save of strided shards on the same mesh (Shard(0), _StridedShard(0, 2): each rank holds
+    two row ranges far apart, as FSDP2 over tensor parallelism can), by rank plans too,
+    restored back into strided DTensors."""
     with reporting(os.path.join(out_dir, f"r{rank}")):
         _init(rank, world, init_file)
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.placement_types import _StridedShard
 
         import ckptstore
 
@@ -148,9 +161,29 @@ def hsdp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str) 
         mgr = ckptstore.CheckpointManager(root, chunk_bytes=1024)
         info = mgr.save(1, {"model": state})
         written = info.chunks_written
+
+        i, j = mesh.get_coordinate()
+        placements = [Shard(0), _StridedShard(0, split_factor=2)]
+
+        def strided(values: dict[str, torch.Tensor]) -> dict[str, DTensor]:
+            return {k: DTensor.from_local(v[strided_rows(v.shape[0], i, j)], mesh, placements,
+                                          shape=v.shape, stride=v.stride(), run_check=False)
+                    for k, v in values.items()}
+
+        truth = hsdp_truth()
+        held = strided(truth)
+        for k, v in held.items():  # torch agrees on what each rank holds
+            assert torch.equal(v.full_tensor(), truth[k]), k
+        mgr.save(2, {"model": held})
+        by_plans = mgr._rank_memory.committed == "step-2"  # set by a save by rank plans only
+        back = strided({k: torch.zeros_like(v) for k, v in truth.items()})
+        assert mgr.restore({"model": back}) == 2
+        for k, v in back.items():
+            assert torch.equal(v.to_local(), truth[k][strided_rows(v.shape[0], i, j)]), k
         mgr.close()
         with open(os.path.join(out_dir, f"stats-{rank}.json"), "w") as f:
-            json.dump({"written": written, "coordinate": list(mesh.get_coordinate())}, f)
+            json.dump({"written": written, "coordinate": list(mesh.get_coordinate()),
+                       "strided_by_rank_plans": by_plans}, f)
 
 
 #: where crash_main SIGKILLs its rank during the 2nd save: after this rank's chunks are

@@ -9,7 +9,7 @@ over every rank's rows and handed to each simulated rank; the all_reduce itself 
 
 What is run, as each rank runs it, and timed (seconds of one call in this process):
 
-1. local: for ranks 0, 1, W/2 and W-1: `box_of` of every leaf, the structure digest, the
+1. local: for ranks 0, 1, W/2 and W-1: `boxes_of` of every leaf, the structure digest, the
    plan signature and the local gcds (what a rank computes before the first all_reduce),
    then `plan_rank` (grids, segments, replicated owners), then `outgoing` over this rank's
    chunk references (synthesized: one `ChunkRef` with a distinct fake digest per chunk it
@@ -55,7 +55,7 @@ from .states import shard_rows
 def _gcds(params: list[tuple[str, tuple[int, ...], bool]], world: int) -> list[list[int]]:
     """What agree_gcds returns on every rank, per tensor and dimension: the gcd of every
     rank's interior box ends."""
-    from ckptstore.pipeline.rank_planning import interior_gcds
+    from ckptstore.pipeline.rank_planning import Held, interior_gcds
 
     out = []
     for _key, shape, sharded in params:
@@ -64,7 +64,8 @@ def _gcds(params: list[tuple[str, tuple[int, ...], bool]], world: int) -> list[l
             for rank in range(world):
                 start, count = shard_rows(shape[0], world, rank)
                 box = ((start, start + count), *((0, n) for n in shape[1:]))
-                g = [math.gcd(a, b) for a, b in zip(g, interior_gcds(box, shape))]
+                g = [math.gcd(a, b) for a, b in zip(g, interior_gcds(
+                    Held((box,), ((0,) * len(shape),)), shape))]
         out.append(g)
     return out
 
@@ -107,7 +108,8 @@ def _my_refs(plan: Any, boxes: list[Any], itemsize: list[int]
 
     out = {}
     for i, (b, g) in enumerate(zip(boxes, plan.grids)):
-        mine = plan.mine.get(i, []) if b is None else g.chunks_in_box(b)
+        mine = plan.mine.get(i, []) if b is None else [
+            c for box in b.boxes for c in g.chunks_in_box(box)]
         for c in mine:
             digest = f"{i:016x}{c:016x}"
             n = g.chunk_bytes(c, itemsize[i])
@@ -137,7 +139,7 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
     from ckptstore.layout import manifest_key, segments_in
     from ckptstore.pipeline.commit import SaveRequest
     from ckptstore.pipeline.options import SaveOptions
-    from ckptstore.pipeline.rank_planning import box_of, builder_of, plan_rank
+    from ckptstore.pipeline.rank_planning import boxes_of, builder_of, plan_rank
     from ckptstore.pipeline.rank_segments import build_segments, outgoing
     from ckptstore.pipeline.writer import CheckpointWriter, KnownChunks
     from ckptstore.stores import open_store
@@ -161,7 +163,7 @@ def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:
     for rank in sorted({0, 1, world // 2, world - 1} & set(range(world))):
         leaves = _rank_leaves(leaves0, params, world, rank)
         t0 = time.perf_counter()
-        boxes = [box_of(leaf) for leaf in leaves]
+        boxes = [boxes_of(leaf) for leaf in leaves]
         structure = rs._structure(leaves)
         signature = rs._signature(structure, boxes, world, rank, writer)
         _local = rs.local_gcds(leaves, boxes)

@@ -19,8 +19,9 @@ knowing who writes the rest:
   (`copy_writes`). Ranks holding the same elements without saying so (overlapping `Shard`s)
   all write them; the segment builder keeps one copy and refuses copies that differ.
 
-Which states qualify (`box_of`): every array leaf whole, or one box per rank. Strided shards
-(FSDP2 over tensor parallelism: several boxes per rank) use `plan_collective`.
+Which states qualify (`boxes_of`): every array leaf whole, or held in boxes: one per rank
+(row shards, DTensor Shard(d)), or several (FSDP2's strided shards over tensor parallelism:
+a rank holds rows far apart), each with where its start lies in the rank's local tensor.
 
 The entries are built per index segment (`segment_spans`: the same cut a single-process
 save makes) by one rank each (`builder_of`), from the chunk references the writers send it.
@@ -29,6 +30,7 @@ save makes) by one rank each (`builder_of`), from the chunk references the write
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,21 +44,35 @@ from ..format.segment_encoding import cut_counts
 from .options import SaveOptions
 from .planning import grid_block, grid_of, grid_region, rows_per_chunk
 
-#: `box_of` of a leaf held whole
-WHOLE = None
-
 #: [start, stop) per dimension of the part of a tensor one rank holds
 Box = tuple[tuple[int, int], ...]
 
 
+@dataclass(frozen=True)
+class Held:
+    """What one rank holds of a tensor it shards: global boxes ([start, stop) per dimension),
+    and where each box's start lies in the rank's local tensor."""
+
+    boxes: tuple[Box, ...]
+    local: tuple[tuple[int, ...], ...]  # the local index of each box's first element
+
+    def to_json(self) -> list[list[list[int]]]:
+        return [[[lo, hi, at] for (lo, hi), at in zip(box, local)]
+                for box, local in zip(self.boxes, self.local)]
+
+
+#: `boxes_of` of a leaf held whole
+WHOLE = None
+
+
 class Unplannable(Exception):
-    """A leaf this plan cannot describe (held in several boxes: strided shards)."""
+    """A leaf this plan cannot describe (a 0-d tensor held in part)."""
 
 
-def box_of(leaf: ArrayLeaf) -> Box | None:
-    """The global [start, stop) per dimension this rank holds of `leaf`, or WHOLE. Raises
-    Unplannable for a leaf held in several boxes (FSDP2's strided shards over tensor
-    parallelism)."""
+def boxes_of(leaf: ArrayLeaf) -> Held | None:
+    """What this rank holds of `leaf` (Held), or WHOLE: one box for row shards and a
+    DTensor's Shard(d) placements, one per combination of runs for strided shards (FSDP2
+    over tensor parallelism: rows far apart). Raises Unplannable for a 0-d leaf in part."""
     if not leaf.is_partial:
         return WHOLE
     shape = tuple(int(n) for n in leaf.array.shape)
@@ -65,23 +81,27 @@ def box_of(leaf: ArrayLeaf) -> Box | None:
         raise Unplannable(leaf.key)
     if leaf.region_runs is None:
         start = leaf.row_offset
-        return ((start, start + shape[0]), *((0, n) for n in gshape[1:]))
+        return Held((((start, start + shape[0]), *((0, n) for n in gshape[1:])),),
+                    ((0,) * len(shape),))
     runs = leaf.region_runs
     if any(len(dim) == 0 for dim in runs):  # holds no element
-        return tuple((0, 0) for _n in gshape)
-    if not all(len(dim) == 1 and dim[0][0] == 0 for dim in runs):
-        raise Unplannable(leaf.key)
-    return tuple((start, start + n) for ((_local, start, n),) in runs)
+        return Held((tuple((0, 0) for _n in gshape),), ((0,) * len(gshape),))
+    combos = list(itertools.product(*runs))
+    return Held(tuple(tuple((start, start + n) for _local, start, n in combo)
+                      for combo in combos),
+                tuple(tuple(local for local, _start, _n in combo) for combo in combos))
 
 
-def interior_gcds(box: Box | None, shape: tuple[int, ...]) -> list[int]:
-    """Per dimension, the gcd of the ends of `box` strictly inside [0, n) (0: none)."""
+def interior_gcds(held: Held | None, shape: tuple[int, ...]) -> list[int]:
+    """Per dimension, the gcd of the ends of the boxes held strictly inside [0, n) (0:
+    none)."""
     out = []
     for d, n in enumerate(shape):
         g = 0
-        for x in box[d] if box is not None else ():
-            if 0 < x < n:
-                g = math.gcd(g, x)
+        for box in held.boxes if held is not None else ():
+            for x in box[d]:
+                if 0 < x < n:
+                    g = math.gcd(g, x)
         out.append(g)
     return out
 
@@ -201,9 +221,10 @@ class RankPlan:
                          [len(s) for s in self.spans])
 
 
-def plan_rank(leaves: list[ArrayLeaf], boxes: list[Box | None], gcds: list[list[int]],
+def plan_rank(leaves: list[ArrayLeaf], boxes: list[Held | None], gcds: list[list[int]],
               signature: int, options: SaveOptions, rank: int, world: int) -> RankPlan:
-    """This rank's plan from its leaves, their boxes (`box_of`) and the agreed gcds per
+    """This rank's plan from its leaves, what it holds of them (`boxes_of`) and the agreed
+    gcds per
     tensor and dimension: every tensor's grid, the index segments, and the replicated chunks
     this rank writes (the same grids and segments on every rank)."""
     geos = tuple(TensorGeometry(leaf.key, leaf.dtype,

@@ -5,9 +5,8 @@ saves in O(ranks)").
 Every rank of `group` calls `save_by_rank_plans` with its own state; the steps, in order:
 
 1. agree: one all_reduce(MAX) of five integers: a rank failed to prepare; a rank holds a leaf
-   this plan cannot describe (in several boxes: FSDP2's strided shards over tensor
-   parallelism; then every rank runs `distributed.save_collective`, the plan over every
-   rank's description);
+   this plan cannot describe (a 0-d tensor in part; then every rank runs
+   `distributed.save_collective`, the plan over every rank's description);
    a 62-bit digest of the state's structure (keys, kinds, dtypes, global shapes, which
    leaves are sharded and in how many copies) and its negation (the ranks agree iff
    max == -max(-digest)); and "my placements differ from my cached plan's".
@@ -62,10 +61,10 @@ from ..layout import segments_in
 from ..pipeline.commit import SaveRequest
 from ..pipeline.planning import LeafPlan
 from ..pipeline.rank_planning import (
-    Box,
+    Held,
     RankPlan,
     Unplannable,
-    box_of,
+    boxes_of,
     copy_writes,
     interior_gcds,
     plan_rank,
@@ -158,16 +157,16 @@ def _structure(leaves: list[ArrayLeaf]) -> int:
     return h.intdigest() >> 2
 
 
-def _signature(structure: int, boxes: list[Box | None], world: int, rank: int,
+def _signature(structure: int, boxes: list[Held | None], world: int, rank: int,
                writer: CheckpointWriter) -> int:
     o = writer.options
     return xxhash.xxh64_intdigest(canonical_json(
-        [structure, [None if b is None else [list(d) for d in b] for b in boxes], world, rank,
+        [structure, [None if b is None else b.to_json() for b in boxes], world, rank,
          o.chunk_bytes, o.pack_threshold]))
 
 
-def local_gcds(leaves: list[ArrayLeaf], boxes: list[Box | None]) -> list[int]:
-    """`interior_gcds` of every leaf's box, flattened (one per dimension of each tensor):
+def local_gcds(leaves: list[ArrayLeaf], boxes: list[Held | None]) -> list[int]:
+    """`interior_gcds` of every leaf's boxes, flattened (one per dimension of each tensor):
     what `agree_gcds` reduces."""
     return [g for leaf, b in zip(leaves, boxes)
             for g in interior_gcds(b, tuple(leaf.global_shape or leaf.array.shape))]
@@ -234,21 +233,24 @@ class ChunkParts:
 
 
 def _write_mine(writer: CheckpointWriter, leaves: list[ArrayLeaf],
-                boxes: list[Box | None], plan: RankPlan) -> dict[tuple[int, int], ChunkRef]:
+                boxes: list[Held | None], plan: RankPlan) -> dict[tuple[int, int], ChunkRef]:
     """Write the chunks the plan gives this rank: {(tensor, chunk): ref}."""
     out = ChunkParts()
-    for i, (leaf, b, g) in enumerate(zip(leaves, boxes, plan.grids)):
-        if b is None:
+    for i, (leaf, held, g) in enumerate(zip(leaves, boxes, plan.grids)):
+        if held is None:
             owned = plan.mine.get(i, [])
             if owned and (g.packed or not g.shape):
                 out.whole(i, leaf, g.chunk_rows, g.packed)
                 continue
-            start: tuple[int, ...] = (0,) * len(g.shape)
-        else:
-            owned = [c for c in g.chunks_in_box(b) if copy_writes(i, c, leaf.replica)]
-            start = tuple(lo for lo, _hi in b)
-        for c in owned:
-            out.chunk(i, c, leaf, g.region(c), start, (0,) * len(start), g.small)
+            zero: tuple[int, ...] = (0,) * len(g.shape)
+            for c in owned:
+                out.chunk(i, c, leaf, g.region(c), zero, zero, g.small)
+            continue
+        for box, local in zip(held.boxes, held.local):  # strided shards: several
+            start = tuple(lo for lo, _hi in box)
+            for c in g.chunks_in_box(box):
+                if copy_writes(i, c, leaf.replica):
+                    out.chunk(i, c, leaf, g.region(c), start, local, g.small)
     return out.write(writer)
 
 
@@ -265,7 +267,7 @@ def save_by_rank_plans(writer: CheckpointWriter, request: SaveRequest, group: An
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     clock = StepClock()
     try:
-        boxes = [box_of(leaf) for leaf in leaves]
+        boxes = [boxes_of(leaf) for leaf in leaves]
         describable = True
     except Unplannable:
         boxes, describable = [], False

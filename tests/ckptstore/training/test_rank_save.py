@@ -22,6 +22,7 @@ from ckptstore.pipeline.options import SaveOptions
 from ckptstore.pipeline.planning import plan_collective
 from ckptstore.pipeline.rank_planning import (
     Grid,
+    Held,
     TensorGeometry,
     builder_of,
     grid,
@@ -103,7 +104,8 @@ def test_rank_plans_choose_the_general_planners_grid_and_cover_every_chunk_once(
     for i, (geo, lay) in enumerate(zip(geos, layouts)):
         gcds = [0] * len(shapes[i])
         for box in shards[i] or []:
-            gcds = [math.gcd(a, b) for a, b in zip(gcds, interior_gcds(box, shapes[i]))]
+            held = Held((box,), ((0,) * len(shapes[i]),))
+            gcds = [math.gcd(a, b) for a, b in zip(gcds, interior_gcds(held, shapes[i]))]
         got = grid(geo, gcds, options)
         assert (got.chunk_rows, got.chunk_shape, got.packed, got.small, got.chunks) == (
             lay.chunk_rows, lay.chunk_shape, lay.packed, lay.small, len(lay.owners)), (i, lay)
@@ -274,7 +276,9 @@ def test_a_save_by_rank_plans_replicates_whole_to_a_far_tier(scenarios):
 @pytest.mark.slow
 def test_hsdp_copies_of_a_shard_share_its_writing(tmp_path):
     """On a 2 x 2 mesh (Replicate, Shard(0)) two ranks hold each row range: every chunk is
-    written once in total, by both copies in turn, and the checkpoint loads whole."""
+    written once in total, by both copies in turn, and the checkpoint loads whole. Strided
+    shards on the same mesh (each rank two row ranges) save by rank plans, load whole, and
+    restore into strided DTensors (checked in the ranks)."""
     root = tmp_path / "repo"
     _spawn(rank_save_worker.hsdp_worker, 4, tmp_path, "hsdp",
            lambda init, out: (4, init, str(root), out))
@@ -291,6 +295,12 @@ def test_hsdp_copies_of_a_shard_share_its_writing(tmp_path):
     for k, v in rank_save_worker.hsdp_truth().items():
         assert torch.equal(state["model"][k], v), k
     assert repo.verify("step-1").ok
+    # strided shards (two row ranges far apart per rank): planned by every rank, whole
+    assert all(s["strided_by_rank_plans"] for s in stats)
+    state = repo.load("step-2")
+    for k, v in rank_save_worker.hsdp_truth().items():
+        assert torch.equal(state["model"][k], v), k
+    assert repo.verify("step-2").ok
     repo.close()
 
 
