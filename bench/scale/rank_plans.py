@@ -117,18 +117,26 @@ def _my_refs(plan: Any, boxes: list[Any], itemsize: list[int]
     return out
 
 
-def _restore_refs(manifest: Any, world: int, rank: int) -> int:
+def _restore_refs(manifest: Any, world: int, rank: int, workers: int = 0) -> int:
     """What a load of rank `rank`'s rows of every tensor does before reading data: read the
     entries (every segment: each holds every rank's rows; of a parted one, its head and the
     parts holding this rank's chunks), find the chunks holding its rows and build their
-    references. Returns how many it built."""
-    refs = []
+    references. With `workers`, the segments and then the parts are fetched that many at a
+    time first, as a load does (`SegmentedEntries.prefetch`, `prefetch_chunks`). Returns
+    how many references it built."""
+    if workers:
+        from ckptstore.format.segments import prefetch_chunks
+
+        manifest.tensors.prefetch(range(len(manifest.tensors)), workers)
+    wanted = []
     for e in manifest.tensors:
         start, count = shard_rows(e.shape[0], world, rank) if e.shape else (0, 1)
         if count:
             first, last = start // e.chunk_rows, -(-(start + count) // e.chunk_rows)
-            refs += [e.chunks[i] for i in range(first, min(last, len(e.chunks)))]
-    return len(refs)
+            wanted += [(e, i) for i in range(first, min(last, len(e.chunks)))]
+    if workers:
+        prefetch_chunks(wanted, workers)
+    return len([e.chunks[i] for e, i in wanted])
 
 
 def simulate(folder: str, model: str, adam: bool, world: int) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 one or more source trees side by side (before and after a change).
 
     python -m scale.restore_plan --world 4096 --source /tmp/before --source /work/main
-    (run from bench/; --folder keeps the simulated checkpoint between runs)
+    (run from bench/; --folder keeps the simulated checkpoint between runs; --s3 reads it
+    from a SeaweedFS S3 server on 127.0.0.1 instead of the folder, each tree's plan then
+    also run with its blobs fetched 8 at a time where the tree can)
 
 The checkpoint is the committed manifest of a simulated collective save by rank plans
 (scale/rank_plans.py `simulate`: Llama-2-7B, FSDP-style row shards on W ranks; index
@@ -18,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -30,8 +34,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent.parent  # bench/
 
 
-def measure(folder: str, world: int) -> dict[str, float | int]:
-    """Worker: parse the root and run rank W/2's restore plan (this process's ckptstore)."""
+def measure(folder: str, world: int, endpoint: str | None = None, workers: int = 0
+            ) -> dict[str, float | int]:
+    """Worker: parse the root and run rank W/2's restore plan (this process's ckptstore),
+    from the folder or (`endpoint`) the S3 copy of it; `workers`: see _restore_refs."""
     from ckptstore.format.hashing import hash_algorithm
     from ckptstore.format.manifest_parse import parse_manifest
     from ckptstore.layout import manifest_key, segments_in
@@ -40,7 +46,8 @@ def measure(folder: str, world: int) -> dict[str, float | int]:
     from .rank_plans import _restore_refs
 
     t0 = time.perf_counter()
-    store = open_store(folder)
+    store = (open_store(folder) if endpoint is None else
+             open_store(f"s3://plans/{Path(folder).name}", endpoint_url=endpoint))
     algorithm = hash_algorithm("xxh3-128")
     source = segments_in([store], algorithm)
     read: list[int] = []
@@ -52,13 +59,28 @@ def measure(folder: str, world: int) -> dict[str, float | int]:
 
     root = store.get(manifest_key("sim"))
     manifest = parse_manifest(root, "sim", algorithm, counted)
-    refs = _restore_refs(manifest, world, world // 2)
+    refs = _restore_refs(manifest, world, world // 2, workers)
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "refs": refs,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "segments": len(manifest.segment_refs()), "blobs_read": len(read),
             "index_read_bytes": len(root) + sum(read),
             "index_bytes": len(root) + sum(i.size for i in store.list("blobs/"))}
+
+
+def _upload(folder: str, endpoint: str) -> None:
+    """Copy the simulated repository `folder` into bucket "plans" under its folder's name."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    try:
+        client.create_bucket(Bucket="plans")
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    root = Path(folder)
+    for path in root.rglob("*"):
+        if path.is_file():
+            client.upload_file(str(path), "plans", f"{root.name}/{path.relative_to(root)}")
 
 
 def _folder(base: str, world: int, source: str) -> str:
@@ -78,6 +100,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--s3", action="store_true", help="read from a SeaweedFS S3 server")
+    ap.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker or args.simulate:  # in a process importing one source tree
         folder = args.folder
@@ -88,7 +113,7 @@ def main() -> None:
             print(f"simulated save at {args.world:,} ranks: {made['chunks']:,} chunks in "
                   f"{made['segments']} segments", file=sys.stderr)
         else:
-            print(json.dumps(measure(folder, args.world)))
+            print(json.dumps(measure(folder, args.world, args.endpoint, args.workers)))
         return
     if not args.source:
         ap.error("name at least one --source")
@@ -98,18 +123,45 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "scale.restore_plan", "--simulate",
                             "--world", str(args.world), "--folder", folder],
                            env=_env(source), cwd=HERE, check=True)
-    for rep in range(args.reps):
+    server = None
+    extra: list[str] = []
+    env_extra: dict[str, str] = {}
+    if args.s3:
+        spec = importlib.util.spec_from_file_location("bench_servers",
+                                                      HERE / "dataloader" / "servers.py")
+        assert spec is not None and spec.loader is not None
+        servers = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(servers)
+        server, endpoint, _root = servers.start_seaweed()
+        env_extra = {**servers.SEAWEED_KEYS, "AWS_DEFAULT_REGION": "us-east-1"}
+        os.environ.update(env_extra)
         for source in args.source:
-            folder = _folder(args.folder, args.world, source)
-            out = subprocess.run([sys.executable, "-m", "scale.restore_plan", "--worker",
-                                  "--world", str(args.world), "--folder", folder],
-                                 env=_env(source), cwd=HERE, check=True, capture_output=True,
-                                 text=True)
-            got = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"rep {rep + 1} {source}: {got['seconds']:.3f} s, peak RSS "
-                  f"{got['peak_rss_mib']:.0f} MiB, {got['refs']} chunk refs built, "
-                  f"{got['segments']} segments; read {got['blobs_read']} index blobs, "
-                  f"{got['index_read_bytes'] / 1e6:.2f} MB of {got['index_bytes'] / 1e6:.1f} MB")
+            _upload(_folder(args.folder, args.world, source), endpoint)
+        extra = ["--endpoint", endpoint]
+    try:
+        for rep in range(args.reps):
+            for source in args.source:
+                for workers in ([0, 8] if args.s3 else [0]):
+                    folder = _folder(args.folder, args.world, source)
+                    out = subprocess.run(
+                        [sys.executable, "-m", "scale.restore_plan", "--worker", "--world",
+                         str(args.world), "--folder", folder, "--workers", str(workers),
+                         *extra], env={**_env(source), **env_extra}, cwd=HERE,
+                        capture_output=True, text=True)
+                    if out.returncode:  # (a tree without prefetch cannot fetch 8 at a time)
+                        print(f"rep {rep + 1} {source} workers={workers}: failed: "
+                              f"{out.stderr.strip().splitlines()[-1][:200]}")
+                        continue
+                    got = json.loads(out.stdout.strip().splitlines()[-1])
+                    print(f"rep {rep + 1} {source}{' s3' if args.s3 else ''} "
+                          f"workers={workers}: {got['seconds']:.3f} s, peak RSS "
+                          f"{got['peak_rss_mib']:.0f} MiB, {got['refs']} chunk refs built, "
+                          f"{got['segments']} segments; read {got['blobs_read']} index "
+                          f"blobs, {got['index_read_bytes'] / 1e6:.2f} MB of "
+                          f"{got['index_bytes'] / 1e6:.1f} MB")
+    finally:
+        if server is not None:
+            os.killpg(server.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":

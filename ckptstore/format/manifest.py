@@ -444,7 +444,8 @@ class Manifest:
         an index blob whole (a copy of a blob shorter than that cannot serve it).
         `tables`: this manifest's `chunk_tables()` where the caller already has them."""
         ext = {r.digest: r.size for r in self.index_blobs()}
-        if getattr(self.tensors, "refs", None) is None:  # entries in memory: parts computed
+        if self.version >= SEGMENTED_VERSION and getattr(self.tensors, "refs", None) is None:
+            # entries in memory (a writer's): the parts of its parted segments, computed
             ext.update((r.digest, r.size) for e in self.segment_blobs() for r, _d in e.parts)
         for table in self.chunk_tables() if tables is None else tables:
             ext.update((r.digest, r.size) for r in table.parts)  # read from a store

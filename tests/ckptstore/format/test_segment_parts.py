@@ -358,3 +358,16 @@ def test_a_shard_load_reads_its_segments_and_parts_concurrently_and_no_other_par
     assert all(torch.equal(got[k], v) for k, v in state.items())
     assert set(parts) <= set(store.blobs) and store.most >= 2
     assert took < 30  # (a guard against a hang, not a benchmark)
+
+
+def test_a_manifest_of_one_document_names_no_parts(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parts exist only for a version-3 manifest's segments: a version-2 manifest whose
+    entries would be parted as segments names none (a peer or a copy would look for them)."""
+    monkeypatch.setattr(segment_encoding, "PART_ABOVE_CHUNKS", 256)
+    monkeypatch.setattr(segment_encoding, "PART_CHUNKS", 64)
+    repo = CheckpointStore(str(tmp_path), chunk_bytes=64)
+    repo.save("a", {f"w{i}": torch.randn(100, 16) for i in range(3)}, parent=None)
+    for m in (repo.manifest("a"), CheckpointStore(str(tmp_path), create=False).manifest("a")):
+        assert m.version == 2
+        assert all((tmp_path / blob_key(b)).exists() for b in m.blob_extents())
