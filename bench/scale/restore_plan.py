@@ -3,8 +3,9 @@ one or more source trees side by side (before and after a change).
 
     python -m scale.restore_plan --world 4096 --source /tmp/before --source /work/main
     (run from bench/; --folder keeps the simulated checkpoint between runs; --s3 reads it
-    from a SeaweedFS S3 server on 127.0.0.1 instead of the folder, each tree's plan then
-    also run with its blobs fetched 8 at a time where the tree can)
+    from a SeaweedFS S3 server on 127.0.0.1 instead of the folder; --latency-ms N adds N ms
+    to every index blob read, as a remote store's round trip would; with either, each
+    tree's plan also runs with its blobs fetched 8 at a time where the tree can)
 
 The checkpoint is the committed manifest of a simulated collective save by rank plans
 (scale/rank_plans.py `simulate`: Llama-2-7B, FSDP-style row shards on W ranks; index
@@ -34,10 +35,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent.parent  # bench/
 
 
-def measure(folder: str, world: int, endpoint: str | None = None, workers: int = 0
-            ) -> dict[str, float | int]:
+def measure(folder: str, world: int, endpoint: str | None = None, workers: int = 0,
+            latency: float = 0.0) -> dict[str, float | int]:
     """Worker: parse the root and run rank W/2's restore plan (this process's ckptstore),
-    from the folder or (`endpoint`) the S3 copy of it; `workers`: see _restore_refs."""
+    from the folder or (`endpoint`) the S3 copy of it; `workers`: see _restore_refs;
+    `latency`: seconds added to every index blob read (a remote store's round trip)."""
     from ckptstore.format.hashing import hash_algorithm
     from ckptstore.format.manifest_parse import parse_manifest
     from ckptstore.layout import manifest_key, segments_in
@@ -53,15 +55,17 @@ def measure(folder: str, world: int, endpoint: str | None = None, workers: int =
     read: list[int] = []
 
     def counted(ref: Any) -> bytes:
+        time.sleep(latency)
         data = source(ref)
         read.append(len(data))
         return data
 
     root = store.get(manifest_key("sim"))
     manifest = parse_manifest(root, "sim", algorithm, counted)
+    t1 = time.perf_counter()
     refs = _restore_refs(manifest, world, world // 2, workers)
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "refs": refs,
+    return {"seconds": seconds, "refs": refs, "after_root_s": time.perf_counter() - t1,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "segments": len(manifest.segment_refs()), "blobs_read": len(read),
             "index_read_bytes": len(root) + sum(read),
@@ -103,6 +107,8 @@ def main() -> None:
     ap.add_argument("--s3", action="store_true", help="read from a SeaweedFS S3 server")
     ap.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--latency-ms", type=float, default=0.0,
+                    help="add this to every index blob read (a remote store's round trip)")
     args = ap.parse_args()
     if args.worker or args.simulate:  # in a process importing one source tree
         folder = args.folder
@@ -113,7 +119,8 @@ def main() -> None:
             print(f"simulated save at {args.world:,} ranks: {made['chunks']:,} chunks in "
                   f"{made['segments']} segments", file=sys.stderr)
         else:
-            print(json.dumps(measure(folder, args.world, args.endpoint, args.workers)))
+            print(json.dumps(measure(folder, args.world, args.endpoint, args.workers,
+                                     args.latency_ms / 1000)))
         return
     if not args.source:
         ap.error("name at least one --source")
@@ -141,12 +148,13 @@ def main() -> None:
     try:
         for rep in range(args.reps):
             for source in args.source:
-                for workers in ([0, 8] if args.s3 else [0]):
+                for workers in ([0, 8] if args.s3 or args.latency_ms else [0]):
                     folder = _folder(args.folder, args.world, source)
                     out = subprocess.run(
                         [sys.executable, "-m", "scale.restore_plan", "--worker", "--world",
                          str(args.world), "--folder", folder, "--workers", str(workers),
-                         *extra], env={**_env(source), **env_extra}, cwd=HERE,
+                         "--latency-ms", str(args.latency_ms), *extra],
+                        env={**_env(source), **env_extra}, cwd=HERE,
                         capture_output=True, text=True)
                     if out.returncode:  # (a tree without prefetch cannot fetch 8 at a time)
                         print(f"rep {rep + 1} {source} workers={workers}: failed: "
@@ -154,7 +162,8 @@ def main() -> None:
                         continue
                     got = json.loads(out.stdout.strip().splitlines()[-1])
                     print(f"rep {rep + 1} {source}{' s3' if args.s3 else ''} "
-                          f"workers={workers}: {got['seconds']:.3f} s, peak RSS "
+                          f"workers={workers}: {got['seconds']:.3f} s (after the root "
+                          f"{got['after_root_s']:.3f} s), peak RSS "
                           f"{got['peak_rss_mib']:.0f} MiB, {got['refs']} chunk refs built, "
                           f"{got['segments']} segments; read {got['blobs_read']} index "
                           f"blobs, {got['index_read_bytes'] / 1e6:.2f} MB of "
