@@ -13,13 +13,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..concurrency import completed
-from ..format.manifest import TensorEntry
+from ..format.manifest import LazyChunks, TensorEntry, chunks_meeting
 from ..format.regions import Box, Runs, boxes
+from ..format.segments import prefetch_chunks
 from .reader import CheckpointReader, ReadTarget
 
 
@@ -39,18 +41,22 @@ class RegionReads:
 
     def __init__(self, reader: CheckpointReader) -> None:
         self.reader = reader
+        self._pending: list[tuple[TensorEntry, np.ndarray, tuple[int, ...], Runs | None]] = []
         self._direct: list[ReadTarget] = []
         self._copies: list[_Copy] = []
 
     def add(self, entry: TensorEntry, buffer: np.ndarray, local_shape: tuple[int, ...],
             runs: Runs | None) -> None:
         """Fill `buffer` (flat uint8, C order, of `local_shape`) with the elements of `entry`
-        that `runs` place there (None: the whole tensor)."""
+        that `runs` place there (None: the whole tensor), when `run()` is called."""
+        self._pending.append((entry, buffer, local_shape, runs))
+
+    def _plan(self, entry: TensorEntry, buffer: np.ndarray, local_shape: tuple[int, ...],
+              runs: Runs | None) -> None:
         if not entry.shape:  # 0-d: one chunk, the whole tensor
             self._direct.append(ReadTarget(entry, buffer))
             return
-        ndim = len(entry.shape)
-        parts = boxes(runs) if runs is not None else [Box((0,) * ndim, (0,) * ndim, entry.shape)]
+        parts = _boxes(entry, runs)
         dest = buffer.reshape(*local_shape, entry.dtype.itemsize)
         in_place = len(parts) == 1 and not any(parts[0].local)
         copies: dict[int, _Copy] = {}  # by chunk: a chunk several boxes overlap is read once
@@ -90,6 +96,10 @@ class RegionReads:
 
     def run(self) -> None:
         """Read every region added; raises the reader's IntegrityError on any bad chunk."""
+        pending, self._pending = self._pending, []
+        prefetch_chunks(_lazy_chunks(pending), self.reader.options.workers)  # parted index
+        for args in pending:
+            self._plan(*args)
         direct, self._direct = self._direct, []
         copies, self._copies = self._copies, []
         if direct:
@@ -108,3 +118,21 @@ class RegionReads:
         block = scratch.reshape(*cp.chunk_shape, -1)
         for dst, src in cp.parts:
             cp.dest[dst] = block[src]
+
+
+def _boxes(entry: TensorEntry, runs: Runs | None) -> list[Box]:
+    """The boxes `runs` place in the local tensor (None: the whole tensor, one box)."""
+    ndim = len(entry.shape)
+    return boxes(runs) if runs is not None else [Box((0,) * ndim, (0,) * ndim, entry.shape)]
+
+
+def _lazy_chunks(pending: list[tuple[TensorEntry, np.ndarray, tuple[int, ...], Runs | None]]
+                 ) -> Iterator[tuple[TensorEntry, int]]:
+    """(entry, chunk index) of every chunk the regions meet whose reference is read where it
+    is used (LazyChunks: a parted segment's)."""
+    for entry, _buffer, _shape, runs in pending:
+        if entry.shape and isinstance(entry.chunks, LazyChunks):
+            for box in _boxes(entry, runs):
+                region = list(zip(box.start, box.stop))
+                for index in chunks_meeting(entry.shape, entry.block_shape(), region):
+                    yield entry, index

@@ -371,3 +371,34 @@ def test_a_manifest_of_one_document_names_no_parts(tmp_path: Path,
     for m in (repo.manifest("a"), CheckpointStore(str(tmp_path), create=False).manifest("a")):
         assert m.version == 2
         assert all((tmp_path / blob_key(b)).exists() for b in m.blob_extents())
+
+
+def test_region_reads_fetch_their_parts_side_by_side_and_no_other(saved: Path,
+                                                                   tmp_path: Path) -> None:
+    """The region path (a DTensor's N-D shard, column shards): rows 40-49, columns 4-11 of
+    each big tensor, read through RegionReads as a load does."""
+    from ckptstore.pipeline.reader import CheckpointReader
+    from ckptstore.pipeline.regions import RegionReads
+
+    _repo(saved, tmp_path / "r")
+    state = _parted_state()
+    store = SlowIndexReads(str(tmp_path / "r"))
+    repo = CheckpointStore(store)
+    m = repo.manifest("a")
+    parts = [p.digest for table in CheckpointStore(str(tmp_path / "r"), create=False)
+             .manifest("a").chunk_tables() for p in table.parts]
+    entries = {e.key: e for e in m.tensors if e.key.startswith("big")}  # heads read here
+    store.blobs.clear()
+    store.most = 0
+    reads = RegionReads(CheckpointReader(store))
+    out = {}
+    for key, e in entries.items():
+        out[key] = np.zeros(10 * 8 * 4, np.uint8)
+        reads.add(e, out[key], (10, 8), (((0, 40, 10),), ((0, 4, 8),)))
+    reads.run()
+    for key, buf in out.items():
+        assert np.array_equal(buf.view(np.float32).reshape(10, 8),
+                              state[key][40:50, 4:12].numpy()), key
+    read_parts = {b for b in store.blobs if b in parts}
+    assert read_parts and len(read_parts) < len(parts)
+    assert store.most >= 2, store.blobs
