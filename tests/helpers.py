@@ -128,3 +128,53 @@ def reap(proc: subprocess.Popen, timeout: float) -> str:
     if isinstance(err, bytes):
         err = err.decode(errors="replace")
     return err[-3000:]
+
+
+def encoded_from_columns(entries: Any, algorithm: Any) -> Any:
+    """`segment_encoding.encode_columns` of `entries`' chunks given as a collective save's
+    builder has them (columns: raw blob and chunk digests, offset, size, nbytes)."""
+    from ckptstore.format.segment_encoding import encode_columns
+
+    chunks = [c for e in entries for c in e.chunks]
+
+    def raw(hexes: list[str]) -> np.ndarray:
+        return np.frombuffer(bytes.fromhex("".join(hexes)), np.uint8).reshape(-1, 16)
+
+    return encode_columns(entries, raw([c.blob for c in chunks]),
+                          np.array([c.offset for c in chunks], np.uint64),
+                          np.array([c.size for c in chunks], np.uint64),
+                          np.array([c.nbytes for c in chunks], np.uint64),
+                          raw([c.digest for c in chunks]), algorithm)
+
+
+def valid_entry(key: str, shape: tuple[int, ...], rows: int,
+                grid: tuple[int, ...] | None = None, codec: Any = None, seed: int = 0) -> Any:
+    """A float32 TensorEntry obeying every rule, with distinct digests per `seed`; raw chunks
+    share blobs ten to a blob (packs), compressed ones are whole blobs."""
+    import math
+
+    from ckptstore.format.dtypes import DTYPES
+    from ckptstore.format.manifest import (
+        ChunkRef,
+        TensorEntry,
+        chunk_region,
+        entry_problem,
+        expected_chunk_count,
+    )
+
+    f32 = DTYPES["float32"]
+    count = expected_chunk_count(shape, rows, f32.itemsize, grid)
+    block = grid if grid is not None else (rows, *shape[1:])
+    chunks = []
+    for i in range(count):
+        nbytes = math.prod(b - a for a, b in chunk_region(shape, block, i)) * f32.itemsize
+        digest = f"{seed * 1_000_003 + i:032x}"
+        if codec is None:
+            blob = f"{seed * 7_919 + i // 10 + (1 << 100):032x}"
+            offset, size = (i % 10) * 64, nbytes
+        else:
+            blob, offset, size = digest, 0, max(1, nbytes // 2)
+        chunks.append(ChunkRef(blob, offset, size, nbytes, digest))
+    e = TensorEntry(key, "torch", f32, shape, rows, codec, tuple(chunks), chunk_shape=grid)
+    assert entry_problem(e) is None, entry_problem(e)
+    return e

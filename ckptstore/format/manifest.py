@@ -19,7 +19,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, overload
+from typing import Any, Self, overload
 
 import numpy as np
 
@@ -105,7 +105,46 @@ class HexNames(Sequence[str]):
         return self._raw[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES].hex()
 
 
-class ChunkRows(Sequence[ChunkRef]):
+class ChunkSequence(Sequence[ChunkRef]):
+    """A read-only sequence of chunk references held other than as ChunkRefs: a subclass
+    gives `__len__` and `_at(j)` (0 <= j < len); indexing (negative, slices), equality with
+    any sequence of the same ChunkRefs, hashing and copies are stated here once."""
+
+    __slots__ = ()
+
+    def _at(self, j: int) -> ChunkRef:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, j: int) -> ChunkRef: ...
+    @overload
+    def __getitem__(self, j: slice) -> tuple[ChunkRef, ...]: ...
+
+    def __getitem__(self, j: int | slice) -> ChunkRef | tuple[ChunkRef, ...]:
+        if isinstance(j, slice):
+            return tuple(self[k] for k in range(*j.indices(len(self))))
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(j)
+        return self._at(j)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or len(other) != len(self):
+            return False
+        return all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __copy__(self) -> Self:  # read-only: a copy is the same rows
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        return self
+
+
+class ChunkRows(ChunkSequence):
     """The chunk references of one tensor entry as views of an index segment's columns
     (segments.py): chunk j's ChunkRef is built when it is used. A reader that needs a few
     chunks of a tensor held in thousands (a rank's own part of a sharded checkpoint) builds
@@ -125,18 +164,7 @@ class ChunkRows(Sequence[ChunkRef]):
     def __len__(self) -> int:
         return len(self._index)
 
-    @overload
-    def __getitem__(self, j: int) -> ChunkRef: ...
-    @overload
-    def __getitem__(self, j: slice) -> tuple[ChunkRef, ...]: ...
-
-    def __getitem__(self, j: int | slice) -> ChunkRef | tuple[ChunkRef, ...]:
-        if isinstance(j, slice):
-            return tuple(self[k] for k in range(*j.indices(len(self))))
-        if j < 0:
-            j += len(self)
-        if not 0 <= j < len(self):
-            raise IndexError(j)
+    def _at(self, j: int) -> ChunkRef:
         w = DIGEST_BYTES
         return ChunkRef(self._blobs[int(self._index[j])], int(self._offsets[j]),
                         int(self._sizes[j]), int(self._nbytes[j]),
@@ -149,22 +177,8 @@ class ChunkRows(Sequence[ChunkRef]):
         for j, (b, offset, size, nbytes) in enumerate(columns):
             yield ChunkRef(names[b], offset, size, nbytes, raw[j * w:(j + 1) * w])
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence) or len(other) != len(self):
-            return False
-        return all(a == b for a, b in zip(self, other))
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
     def __repr__(self) -> str:
         return f"ChunkRows({len(self)} chunks)"
-
-    def __copy__(self) -> ChunkRows:  # read-only views: a copy is the same rows
-        return self
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> ChunkRows:
-        return self
 
     def first_bad(self, want: np.ndarray, codec: Codec | None) -> int | None:
         """The first chunk breaking a rule `_chunk_problems` states (its ranges, `want[j]` raw
@@ -193,7 +207,7 @@ def rows_bad(offsets: np.ndarray, sizes: np.ndarray, nbytes: np.ndarray, want: n
     return out
 
 
-class LazyChunks(Sequence[ChunkRef]):
+class LazyChunks(ChunkSequence):
     """The chunk references of one entry read where they are used (a parted index segment's:
     segments.PartedRows). `entry_problem` checks their count; the rows' own rules are checked
     by whoever reads them, before any is handed out (FormatError from the access)."""

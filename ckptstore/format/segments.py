@@ -479,18 +479,7 @@ class PartedRows(LazyChunks):
     def __len__(self) -> int:
         return int(self._parts.counts[self._k])
 
-    @overload
-    def __getitem__(self, j: int) -> ChunkRef: ...
-    @overload
-    def __getitem__(self, j: slice) -> tuple[ChunkRef, ...]: ...
-
-    def __getitem__(self, j: int | slice) -> ChunkRef | tuple[ChunkRef, ...]:
-        if isinstance(j, slice):
-            return tuple(self[i] for i in range(*j.indices(len(self))))
-        if j < 0:
-            j += len(self)
-        if not 0 <= j < len(self):
-            raise IndexError(j)
+    def _at(self, j: int) -> ChunkRef:
         p, row = self._parts.row_of(self._k, j)
         return self._parts.rows(p)[row]
 
@@ -502,22 +491,8 @@ class PartedRows(LazyChunks):
                 start = int(parts.base[k, p])
                 yield from parts.rows(p)[start:start + n]
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence) or len(other) != len(self):
-            return False
-        return all(a == b for a, b in zip(self, other))
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
     def __repr__(self) -> str:
         return f"PartedRows({len(self)} chunks in {len(self._parts.refs)} parts)"
-
-    def __copy__(self) -> PartedRows:  # read-only: a copy is the same rows
-        return self
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> PartedRows:
-        return self
 
 
 def prefetch_chunks(wanted: Iterable[tuple[TensorEntry, int]], workers: int) -> None:

@@ -33,39 +33,21 @@ from ckptstore.format.dtypes import DTYPES
 from ckptstore.format.hashing import hash_algorithm
 from ckptstore.format.manifest import (
     ROWS_ABOVE,
-    ChunkRef,
     ChunkRows,
-    TensorEntry,
     _chunk_sizes,
     chunk_region,
     entry_problem,
     expected_chunk_count,
 )
-from ckptstore.format.segment_encoding import SegmentRef, encode, encode_columns
+from ckptstore.format.segment_encoding import SegmentRef, encode
 from ckptstore.format.segments import decode
+from tests.helpers import encoded_from_columns, valid_entry
 
 F32 = DTYPES["float32"]
 ZSTD = Codec("zstd", 3)
 
 
-def entry(key: str, shape: tuple[int, ...], rows: int, grid: tuple[int, ...] | None = None,
-          codec: Codec | None = None, seed: int = 0) -> TensorEntry:
-    """A valid entry with distinct digests; raw chunks share blobs ten to a blob (packs)."""
-    count = expected_chunk_count(shape, rows, F32.itemsize, grid)
-    block = grid if grid is not None else (rows, *shape[1:])
-    chunks = []
-    for i in range(count):
-        nbytes = math.prod(b - a for a, b in chunk_region(shape, block, i)) * F32.itemsize
-        digest = f"{seed * 1_000_003 + i:032x}"
-        if codec is None:
-            blob = f"{seed * 7_919 + i // 10 + (1 << 100):032x}"
-            offset, size = (i % 10) * 64, nbytes
-        else:
-            blob, offset, size = digest, 0, max(1, nbytes // 2)
-        chunks.append(ChunkRef(blob, offset, size, nbytes, digest))
-    e = TensorEntry(key, "torch", F32, shape, rows, codec, tuple(chunks), chunk_shape=grid)
-    assert entry_problem(e) is None, entry_problem(e)
-    return e
+entry = valid_entry
 
 
 ENTRIES = [entry("rows", (131, 6), 2, seed=1), entry("grid", (31, 52), 3, (3, 5), seed=2),
@@ -159,16 +141,7 @@ def test_a_flipped_byte_is_refused_or_decodes_to_valid_entries(pos: int, xor: in
 @pytest.mark.parametrize("order", ["as saved", "reversed"])
 def test_a_segment_encoded_from_columns_is_the_one_encoded_from_entries(order: str) -> None:
     entries = ENTRIES if order == "as saved" else ENTRIES[::-1]  # another first-use order
-    chunks = [c for e in entries for c in e.chunks]
-
-    def raw(hexes: list[str]) -> np.ndarray:
-        return np.frombuffer(bytes.fromhex("".join(hexes)), np.uint8).reshape(-1, 16)
-
-    data = encode_columns(entries, raw([c.blob for c in chunks]),
-                          np.array([c.offset for c in chunks], np.uint64),
-                          np.array([c.size for c in chunks], np.uint64),
-                          np.array([c.nbytes for c in chunks], np.uint64),
-                          raw([c.digest for c in chunks]), ALG).head
+    data = encoded_from_columns(entries, ALG).head
     assert data == encode(entries, ALG).head
     assert decode(data, SegmentRef("0" * 32, len(data), len(entries), REF.nbytes), "x") == entries
 

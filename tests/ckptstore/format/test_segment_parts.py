@@ -20,7 +20,6 @@ What is checked (each fails when its rule is broken):
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import threading
@@ -37,20 +36,19 @@ from ckptstore.format import segment_encoding
 from ckptstore.format.codecs import Codec
 from ckptstore.format.dtypes import DTYPES
 from ckptstore.format.hashing import hash_algorithm
-from ckptstore.format.manifest import ChunkRef, ChunkTable, TensorEntry, chunk_region, entry_problem
-from ckptstore.format.manifest import expected_chunk_count as count_of
+from ckptstore.format.manifest import ChunkTable, TensorEntry, entry_problem
 from ckptstore.format.segment_encoding import (
     PART_CHUNKS,
     EncodedSegment,
     IndexBlob,
     encode,
-    encode_columns,
     part_count,
 )
 from ckptstore.format.segments import PartedRows, chunk_columns, chunk_table, decode
 from ckptstore.layout import blob_key
 from ckptstore.stores.local import LocalStore
 from ckptstore.tools.copying import copy_checkpoints
+from tests.helpers import encoded_from_columns, valid_entry
 
 F32 = DTYPES["float32"]
 ALG = hash_algorithm("xxh3-128")
@@ -59,20 +57,7 @@ WORLD = 96  # "ranks": tensors of WORLD chunks, as FSDP row shards give
 
 def entry(key: str, shape: tuple[int, ...], rows: int, seed: int,
           codec: Codec | None = None, grid: tuple[int, ...] | None = None) -> TensorEntry:
-    """A valid entry with distinct digests; raw chunks share blobs eight to a blob."""
-    n = count_of(shape, rows, F32.itemsize, grid)
-    block = grid if grid is not None else (rows, *shape[1:])
-    chunks = []
-    for i in range(n):
-        nbytes = math.prod(b - a for a, b in chunk_region(shape, block, i)) * F32.itemsize
-        digest = f"{seed:08x}{i:024x}"
-        if codec is None:
-            chunks.append(ChunkRef(f"{seed + (1 << 31):08x}{i // 8:024x}", (i % 8) * 4096,
-                                   nbytes, nbytes, digest))
-        else:
-            chunks.append(ChunkRef(digest, 0, max(1, nbytes // 3), nbytes, digest))
-    e = TensorEntry(key, "torch", F32, shape, rows, codec, tuple(chunks), chunk_shape=grid)
-    assert entry_problem(e) is None, entry_problem(e)
+    e: TensorEntry = valid_entry(key, shape, rows, grid, codec, seed)
     return e
 
 
@@ -150,16 +135,7 @@ def test_one_chunk_reads_the_head_and_one_part_and_a_rank_reads_at_most_two() ->
 
 def test_segments_built_from_columns_are_the_same_head_and_parts() -> None:
     for entries in (ENTRIES, ENTRIES[::-1]):  # two first-use orders of the blob tables
-        chunks = [c for e in entries for c in e.chunks]
-
-        def raw(hexes: list[str]) -> np.ndarray:
-            return np.frombuffer(bytes.fromhex("".join(hexes)), np.uint8).reshape(-1, 16)
-
-        built = encode_columns(entries, raw([c.blob for c in chunks]),
-                               np.array([c.offset for c in chunks], np.uint64),
-                               np.array([c.size for c in chunks], np.uint64),
-                               np.array([c.nbytes for c in chunks], np.uint64),
-                               raw([c.digest for c in chunks]), ALG)
+        built = encoded_from_columns(entries, ALG)
         assert built == encode(entries, ALG) and built.parts
 
 
