@@ -30,6 +30,7 @@ import pytest
 import ckptstore.stores.local as local_module
 from ckptstore import CheckpointManager, CheckpointStore, CkptStoreError
 from ckptstore.errors import RepositoryNotFoundError
+from ckptstore.format import segment_encoding
 from ckptstore.format.manifest import SEGMENTED_VERSION
 from ckptstore.format.segment_encoding import SEGMENTED_ABOVE_TENSORS
 from ckptstore.pipeline.writer_process import WriterProcess
@@ -275,22 +276,29 @@ def test_every_crash_point_keeps_acknowledged_checkpoints(
 
 
 def test_segmented_manifests_survive_every_crash_point(
-        tmp_path: Path, profile: Profile, campaign_report: Callable[..., Any]) -> None:
+        tmp_path: Path, profile: Profile, campaign_report: Callable[..., Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Version-3 saves, sync and async, a delete, a reclaiming gc and the chunk set saved
     again: at every crash point ("strict" model) the index blobs of a listed checkpoint are
-    durable, so it loads and verifies, and acknowledged ones survive. (With the blob folders'
-    or the blobs' fsync skipped, this scenario finds a listed checkpoint whose index blob is
-    missing or corrupt at 19 of 63 points: checked by hand, as the teeth tests below do for
-    the small scenario.)"""
+    durable, so it loads and verifies, and acknowledged ones survive. The segment holding
+    the tensors of several chunks is parted (the writer's thresholds lowered), so its parts
+    are among those blobs. (With the blob folders' or the blobs' fsync skipped, this scenario
+    finds a listed checkpoint whose index blob is missing or corrupt at 19 of 63 points:
+    checked by hand, as the teeth tests below do for the small scenario.)"""
+    monkeypatch.setattr(segment_encoding, "PART_ABOVE_CHUNKS", 8)
+    monkeypatch.setattr(segment_encoding, "PART_ABOVE_TENSOR_CHUNKS", 2)
+    monkeypatch.setattr(segment_encoding, "PART_CHUNKS", 8)
     steps: list[Step] = [("save", "v3-a"), ("save_async", "v3-b"), ("delete", "v3-a"),
                          ("gc_reclaim",), ("save", "v3-c.of.v3-a")]
     every = 1 if profile.name == "soak" else 9  # ~50 of ~435 crash points in the quick run
     t0 = time.monotonic()
     results = list(sweep(tmp_path, steps, "strict", every=every))
     assert results[0].steps_done == len(steps), "the scenario did not run to its end"
-    with CheckpointStore(tmp_path / "check") as repo:  # the scenario's saves are version 3
+    with CheckpointStore(tmp_path / "check", chunk_bytes=CHUNK) as repo:  # version 3
         repo.save("v3-a", content("v3-a"))
         assert repo.manifest("v3-a").version == SEGMENTED_VERSION
+    with CheckpointStore(tmp_path / "check", create=False) as repo:  # ... with parts
+        assert any(table.parts for table in repo.manifest("v3-a").chunk_tables())
     violations = [f"crash point {r.crash_at}: {v}" for r in results for v in r.violations]
     campaign_report("powerloss-segmented", crash_points=len(results) - 1, every=every,
                     ops=results[0].ops,
