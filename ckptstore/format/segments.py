@@ -323,6 +323,7 @@ def _decode(data: bytes, ref: SegmentRef, source: SegmentSource | None, where: s
     blob_names = HexNames(blob_table)
     arrays = _columns(data, nchunks, pos, len(blob_names))
     lists: list[list[int]] = []  # the columns as lists, made for the first small entry
+    names: list[str] = []  # the blob table's names, made then too (small entries share packs)
     pos += sum(width for _dtype, width in CHUNK_COLUMNS) * nchunks
     raw = memoryview(data)[pos:]
     width = 2 * DIGEST_BYTES
@@ -339,10 +340,11 @@ def _decode(data: bytes, ref: SegmentRef, source: SegmentSource | None, where: s
         else:
             if not lists:
                 lists = [a.tolist() for a in arrays]
+                names = _hexes(blob_table)
             blob_index, offsets, sizes, nbytes = lists
             hexes = digests.hex()
             chunks = tuple(
-                ChunkRef(blob_names[blob_index[j]], offsets[j], sizes[j], nbytes[j],
+                ChunkRef(names[blob_index[j]], offsets[j], sizes[j], nbytes[j],
                          hexes[(j - at) * width:(j - at + 1) * width])
                 for j in range(at, at + n))
         at += n
@@ -591,6 +593,7 @@ class SegmentedEntries(Sequence[TensorEntry]):
             self._starts.append(self._starts[-1] + r.tensors)
         self._segments: OnceEach[int, list[TensorEntry]] = OnceEach(self._read)
         self._parsed = self._segments.done
+        self._flat: list[TensorEntry] | None = None  # all entries, once every segment is read
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -663,10 +666,16 @@ class SegmentedEntries(Sequence[TensorEntry]):
             return [self[j] for j in range(*i.indices(len(self)))]
         if i < 0:
             i += len(self)
+        flat = self._flat
+        if flat is not None:  # every segment read: one list lookup
+            return flat[i]
         if not 0 <= i < len(self):
             raise IndexError(i)
         s = bisect.bisect_right(self._starts, i) - 1
-        return self.segment(s)[i - self._starts[s]]
+        got = self.segment(s)[i - self._starts[s]]
+        if len(self._parsed) == len(self.refs):
+            self._flat = [e for s in range(len(self.refs)) for e in self._parsed[s]]
+        return got
 
     def __iter__(self) -> Iterator[TensorEntry]:
         for s in range(len(self.refs)):
