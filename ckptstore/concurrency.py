@@ -1,16 +1,20 @@
 """Rules for work on a thread pool: `completed` (results as they complete, and on the first
-error every job not yet started is cancelled before the error propagates) and `Turns` (how
-many threads of a save beside training may use a core at once)."""
+error every job not yet started is cancelled before the error propagates), `Turns` (how
+many threads of a save beside training may use a core at once), `run_concurrently` (calls
+whose errors their later users raise) and `OnceEach` (a value computed once per key, keys
+concurrently)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
 
 #: While the caller waits for a background save (a guarded `optimizer.step()` or
 #: `SaveHandle.wait()`), its core is free: the save may use this many more working threads
@@ -140,3 +144,40 @@ class Turns:
                 self._copy_turn.notify()
             else:
                 self._write_turn.notify()
+
+
+def run_concurrently(calls: list[Callable[[], Any]], workers: int) -> None:
+    """A prefetch: run `calls` on up to `workers` threads and wait for them, when that can
+    overlap anything (two calls or more, two workers or more; else nothing is run). Their
+    errors are dropped: the caller's later use of each result makes the call again (a
+    OnceEach keeps only what succeeded) and raises them there."""
+    if len(calls) <= 1 or workers <= 1:
+        return
+    with cf.ThreadPoolExecutor(min(workers, len(calls)),
+                               thread_name_prefix="ckpt-prefetch") as pool:
+        for future in [pool.submit(call) for call in calls]:
+            future.exception()
+
+
+class OnceEach(Generic[K, V]):
+    """`get(key)` computes `make(key)` once per key and keeps it; different keys compute
+    concurrently, callers of one key wait for the first. A failed `make` is not kept (the
+    next `get` tries again). `done`: the values kept so far."""
+
+    def __init__(self, make: Callable[[K], V]) -> None:
+        self._make = make
+        self.done: dict[K, V] = {}
+        self._locks: dict[K, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, key: K) -> V:
+        got = self.done.get(key)
+        if got is not None:
+            return got
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            got = self.done.get(key)
+            if got is None:
+                got = self.done[key] = self._make(key)
+            return got

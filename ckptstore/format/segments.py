@@ -19,15 +19,14 @@ from __future__ import annotations
 import bisect
 import functools
 import json
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, overload
 
 import numpy as np
 
 from ..collector import paused_collector
+from ..concurrency import OnceEach, run_concurrently
 from ..errors import FormatError
 from .codecs import Codec, parse_codec
 from .dtypes import DTYPES
@@ -70,8 +69,6 @@ __all__ = ["MAX_SEGMENT_BYTES", "ChunkColumns", "ChunkTable", "PartedRows", "Seg
            "decode", "segment_parts", "version_for"]
 
 _ROW_BYTES = sum(width for _dtype, width in CHUNK_COLUMNS) + DIGEST_BYTES
-K = TypeVar("K")
-V = TypeVar("V")
 
 
 def version_for(entries: Sequence[TensorEntry]) -> int:
@@ -358,10 +355,15 @@ def _decode(data: bytes, ref: SegmentRef, source: SegmentSource | None, where: s
         out.append(entry)
     if at != nchunks:
         raise FormatError(f"{nchunks - at} chunk(s) belong to no tensor")
-    if sum(t.nbytes for t in out) != ref.nbytes:
-        raise FormatError(f"its tensors hold {sum(t.nbytes for t in out)} bytes, the root "
+    return _declared(out, ref)
+
+
+def _declared(entries: list[TensorEntry], ref: SegmentRef) -> list[TensorEntry]:
+    """`entries`, if they declare the bytes the root lists for their segment."""
+    if sum(t.nbytes for t in entries) != ref.nbytes:
+        raise FormatError(f"its tensors hold {sum(t.nbytes for t in entries)} bytes, the root "
                           f"lists {ref.nbytes}")
-    return out
+    return entries
 
 
 def _decode_parted(records: list[Any], parts: list[PartRef], ref: SegmentRef,
@@ -381,10 +383,7 @@ def _decode_parted(records: list[Any], parts: list[PartRef], ref: SegmentRef,
             raise FormatError(f"tensor {entry.key!r:.200}: {problem}")
         out.append(entry)
     shared.entries = out
-    if sum(t.nbytes for t in out) != ref.nbytes:
-        raise FormatError(f"its tensors hold {sum(t.nbytes for t in out)} bytes, the root "
-                          f"lists {ref.nbytes}")
-    return out
+    return _declared(out, ref)
 
 
 class SegmentParts:
@@ -506,41 +505,7 @@ def prefetch_chunks(wanted: Iterable[tuple[TensorEntry, int]], workers: int) -> 
         if isinstance(chunks, PartedRows) and 0 <= c < len(chunks):
             p, _row = chunks.parts.row_of(chunks.k, c)
             parts.setdefault((id(chunks.parts), p), functools.partial(chunks.parts.rows, p))
-    _concurrently(list(parts.values()), workers)
-
-
-def _concurrently(calls: list[Callable[[], Any]], workers: int) -> None:
-    """Run `calls` on up to `workers` threads; their errors are dropped (the access that needs
-    the result raises them again)."""
-    if len(calls) <= 1 or workers <= 1:
-        return
-    with ThreadPoolExecutor(min(workers, len(calls)), thread_name_prefix="ckpt-index") as pool:
-        for future in [pool.submit(call) for call in calls]:
-            future.exception()
-
-
-class OnceEach(Generic[K, V]):
-    """`get(key)` computes `make(key)` once per key and keeps it; different keys compute
-    concurrently, callers of one key wait for the first. A failed `make` is not kept (the
-    next `get` tries again). `done`: the values kept so far."""
-
-    def __init__(self, make: Callable[[K], V]) -> None:
-        self._make = make
-        self.done: dict[K, V] = {}
-        self._locks: dict[K, threading.Lock] = {}
-        self._guard = threading.Lock()
-
-    def get(self, key: K) -> V:
-        got = self.done.get(key)
-        if got is not None:
-            return got
-        with self._guard:
-            lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
-            got = self.done.get(key)
-            if got is None:
-                got = self.done[key] = self._make(key)
-            return got
+    run_concurrently(list(parts.values()), workers)
 
 
 def segment_parts(entries: Sequence[TensorEntry]) -> SegmentParts | None:
@@ -614,7 +579,7 @@ class SegmentedEntries(Sequence[TensorEntry]):
         time (a reader of many tensors hides the store's round trips); errors are left to
         the accesses that need them."""
         wanted = {bisect.bisect_right(self._starts, i) - 1 for i in indexes}
-        _concurrently([functools.partial(self.segment, s) for s in sorted(wanted)
+        run_concurrently([functools.partial(self.segment, s) for s in sorted(wanted)
                        if s not in self._parsed], workers)
 
     def read_segment(self, s: int) -> list[TensorEntry]:
