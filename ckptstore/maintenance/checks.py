@@ -23,11 +23,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..concurrency import run_concurrently
 from ..errors import FormatError, IntegrityError, ObjectNotFoundError, StoreError
 from ..format.hashing import XXH3_128, HashAlgorithm
 from ..format.manifest import ChunkRef, Manifest, TensorEntry
 from ..format.segment_encoding import IndexBlob
-from ..format.segments import SegmentedEntries, segment_parts
+from ..format.segments import PART_READ_THREADS, SegmentedEntries, segment_parts
 from ..format.tree_pages import page_loads
 from ..layout import BLOB_PREFIX, blob_key, blob_of_key
 from ..stores.base import Buffer, Store
@@ -200,8 +201,10 @@ def _readable_entries(store: Store, m: Manifest, report: VerifyReport
             continue
         shared = segment_parts(got)  # a parted segment: each part checked as a blob too
         if shared is not None:
+            loads = shared.loads()
+            run_concurrently([read for _part, read in loads], PART_READ_THREADS)
             found = [_index_blob(store, m, report, part, read, "(index segment part)")
-                     for part, read in shared.loads()]  # every part, each problem reported
+                     for part, read in loads]  # every part, each problem reported
             if any(rows is None for rows in found):
                 continue
         yield from got

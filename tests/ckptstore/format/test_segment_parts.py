@@ -293,23 +293,30 @@ class SlowIndexReads(LocalStore):
     """A local store whose whole-object gets (index blobs, manifests) take 30 ms, counting the
     blobs fetched and the most fetched at once."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, watch: frozenset[str] = frozenset()) -> None:
         super().__init__(root, create=False)
         self.blobs: list[str] = []
         self.at_once = self.most = 0
+        self.watch = watch  # blobs whose fetches are counted apart (`most_watched`)
+        self.watched_at_once = self.most_watched = 0
         self._count = threading.Lock()
 
     def get(self, key: str) -> bytes:
+        name = key.rsplit("/", 1)[-1]
+        watched = name in self.watch
         with self._count:
             self.at_once += 1
             self.most = max(self.most, self.at_once)
-            self.blobs.append(key.rsplit("/", 1)[-1])
+            self.watched_at_once += watched
+            self.most_watched = max(self.most_watched, self.watched_at_once)
+            self.blobs.append(name)
         try:
             time.sleep(0.03)
             return super().get(key)
         finally:
             with self._count:
                 self.at_once -= 1
+                self.watched_at_once -= watched
 
 
 def test_a_shard_load_reads_its_segments_and_parts_concurrently_and_no_other_part(
@@ -378,3 +385,22 @@ def test_region_reads_fetch_their_parts_side_by_side_and_no_other(saved: Path,
     read_parts = {b for b in store.blobs if b in parts}
     assert read_parts and len(read_parts) < len(parts)
     assert store.most >= 2, store.blobs
+
+
+def test_whole_checkpoint_passes_read_every_part_side_by_side(saved: Path,
+                                                              tmp_path: Path) -> None:
+    """What needs every part of a segment (gc's and space accounting's blob list, verify)
+    reads them several at a time, not one round trip after another."""
+    _repo(saved, tmp_path / "r")
+    parts = _parts_of(CheckpointStore(str(tmp_path / "r"), create=False), "a")
+    for needs_all in ("blobs", "verify"):
+        store = SlowIndexReads(str(tmp_path / "r"), watch=frozenset(parts))
+        repo = CheckpointStore(store)
+        if needs_all == "blobs":
+            assert set(parts) <= repo.manifest("a").blob_digests()
+        else:
+            assert repo.verify("a").ok
+        assert set(parts) <= set(store.blobs)
+        fetched = [b for b in store.blobs if b in parts]
+        assert len(fetched) == len(set(fetched)), (needs_all, fetched)  # each part once
+        assert store.most_watched >= 2, needs_all  # parts fetched side by side
