@@ -171,6 +171,13 @@ def part_count(counts: Sequence[int]) -> int:
     return min(-(-total // PART_CHUNKS), largest)
 
 
+def part_of(chunk: Any, count: Any, parts: int) -> Any:
+    """The part holding chunk `chunk` of a tensor of `count` chunks, in a segment of `parts`
+    parts (ints, or int64 arrays of chunks and their tensors' counts): the one statement of
+    where a parted segment keeps a chunk (`part_bounds` is its inverse)."""
+    return chunk * parts // count
+
+
 def part_bounds(counts: np.ndarray, parts: int) -> np.ndarray:
     """For tensors holding `counts` chunks (int64), the first chunk of each of `parts`
     parts and one past the last: `[k, p]` = ceil(p * counts[k] / parts), shape (K, parts +
@@ -303,7 +310,7 @@ def _pack(entries: Sequence[TensorEntry], table: bytes, columns: list[np.ndarray
     n = np.asarray(counts, dtype=np.int64)
     starts = np.cumsum(n) - n
     chunk = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(starts, n)
-    part_of_row = chunk * parts // np.repeat(n, n)
+    part_of_row = part_of(chunk, np.repeat(n, n), parts)
     order = np.argsort(part_of_row, kind="stable")  # in a part: by tensor, then chunk
     bounds = np.searchsorted(part_of_row[order], np.arange(parts + 1))
     out = []

@@ -63,6 +63,7 @@ from .segment_encoding import (
     first_use_table,
     is_segmented,
     part_bounds,
+    part_of,
 )
 
 __all__ = ["MAX_SEGMENT_BYTES", "ChunkColumns", "ChunkTable", "PartedRows", "SegmentParts",
@@ -415,7 +416,7 @@ class SegmentParts:
 
     def row_of(self, k: int, c: int) -> tuple[int, int]:
         """(part, row in it) of chunk `c` of tensor `k`."""
-        p = c * len(self.refs) // int(self.counts[k])
+        p = part_of(c, int(self.counts[k]), len(self.refs))
         return p, int(self.base[k, p]) + c - int(self.bounds[k, p])
 
     def rows(self, p: int) -> ChunkRows:
