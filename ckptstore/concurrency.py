@@ -1,7 +1,8 @@
 """Rules for work on a thread pool: `completed` (results as they complete, and on the first
 error every job not yet started is cancelled before the error propagates), `Turns` (how
 many threads of a save beside training may use a core at once), `run_concurrently` (calls
-whose errors their later users raise) and `OnceEach` (a value computed once per key, keys
+whose errors their later users raise), `fetch_concurrently` (the same for fetches whose
+results the calling thread uses) and `OnceEach` (a value computed once per key, keys
 concurrently)."""
 
 from __future__ import annotations
@@ -157,6 +158,27 @@ def run_concurrently(calls: list[Callable[[], Any]], workers: int) -> None:
                                thread_name_prefix="ckpt-prefetch") as pool:
         for future in [pool.submit(call) for call in calls]:
             future.exception()
+
+
+def fetch_concurrently(fetches: dict[K, Callable[[], T]], use: Callable[[K, T], Any],
+                       workers: int) -> None:
+    """A prefetch whose results need Python work: run `fetches` on up to `workers` threads
+    and hand each result to `use(key, result)` on the calling thread as it arrives (work
+    that holds the interpreter would only take turns on threads, each slowing the others).
+    Nothing is run where nothing can overlap (as `run_concurrently`). Errors of both are
+    dropped, for the caller's later use to raise."""
+    if len(fetches) <= 1 or workers <= 1:
+        return
+    with cf.ThreadPoolExecutor(min(workers, len(fetches)),
+                               thread_name_prefix="ckpt-prefetch") as pool:
+        keys = {pool.submit(fetch): key for key, fetch in fetches.items()}
+        for future in cf.as_completed(keys):
+            if future.exception() is not None:
+                continue
+            try:
+                use(keys[future], future.result())
+            except Exception:  # noqa: BLE001 - raised again by the access that needs it
+                pass
 
 
 class OnceEach(Generic[K, V]):

@@ -616,11 +616,14 @@ def _int_problem(value: Any, what: str, lo: int = 0, hi: int = _HI) -> str | Non
     return None
 
 
-def entry_problem(e: TensorEntry) -> str | None:
+def entry_problem(e: TensorEntry, rows_checked: bool = False) -> str | None:
     """What is wrong with a tensor entry, or None if nothing is: the one statement of the
     rules a tensor entry obeys (types, ranges, extents, chunk sizes), used by both parsers
     and by `parses_back_equal`. Exact types are required (an int is not a bool or a float),
-    as parsing JSON produces them."""
+    as parsing JSON produces them. `rows_checked`: the caller checks the chunk references
+    itself, many entries' at once (a segment's decode: `listed_rows_bad` over its columns,
+    whose framing gives every field its type and form); their count is still checked
+    here."""
     shape, rows, codec, dtype = e.shape, e.chunk_rows, e.codec, e.dtype
     if type(e.key) is not str:
         return "key must be a string"
@@ -659,7 +662,25 @@ def entry_problem(e: TensorEntry) -> str | None:
         problem = _storage_problem(e)
         if problem is not None:
             return problem
-    return _chunks_problem(e)
+    return _chunks_problem(e, rows_checked)
+
+
+def listed_rows_bad(entries: Sequence[TensorEntry], offsets: np.ndarray, sizes: np.ndarray,
+                    nbytes: np.ndarray) -> np.ndarray:
+    """`rows_bad` of the chunk rows of these entries, all of their chunks in order (columns
+    of their offsets, stored sizes and raw sizes): each row against the raw bytes its chunk
+    holds and its entry's codec. The entries must obey every rule but their chunks'."""
+    want: list[int] = []
+    for e in entries:
+        n = len(e.chunks)
+        if n == 1:  # one chunk: the whole tensor
+            want.append(e.nbytes)
+        else:
+            want.extend(_chunk_sizes(e.shape, e.chunk_rows, e.chunk_shape, e.dtype.itemsize,
+                                     n).tolist())
+    counts = [len(e.chunks) for e in entries]
+    raw = np.repeat(np.array([e.codec is None for e in entries], dtype=bool), counts)
+    return rows_bad(offsets, sizes, nbytes, np.array(want, dtype=nbytes.dtype), raw)
 
 
 def _grid_problem(e: TensorEntry) -> str | None:
@@ -698,8 +719,9 @@ def _storage_problem(e: TensorEntry) -> str | None:
     return None
 
 
-def _chunks_problem(e: TensorEntry) -> str | None:
-    """The chunk list: count, digests, declared sizes and extents."""
+def _chunks_problem(e: TensorEntry, rows_checked: bool = False) -> str | None:
+    """The chunk list: count, digests, declared sizes and extents (only the count where
+    `rows_checked`: see entry_problem)."""
     shape, rows, codec, chunks = e.shape, e.chunk_rows, e.codec, e.chunks
     itemsize = e.dtype.itemsize
     if (type(chunks) is not tuple and type(chunks) is not ChunkRows
@@ -710,7 +732,7 @@ def _chunks_problem(e: TensorEntry) -> str | None:
     if len(chunks) != want_count:
         return (f"{len(chunks)} chunks listed, shape and "
                 f"{'chunk_rows' if grid is None else 'chunk_shape'} give {want_count}")
-    if isinstance(chunks, LazyChunks):  # rows checked as they are read (LazyChunks)
+    if rows_checked or isinstance(chunks, LazyChunks):  # (LazyChunks: as they are read)
         return None
     if type(chunks) is ChunkRows:  # a segment's columns: the same rules on every row at once
         bad = chunks.first_bad(_chunk_sizes(shape, rows, grid, itemsize, want_count), codec)

@@ -27,7 +27,7 @@ from typing import Any, overload
 import numpy as np
 
 from ..collector import paused_collector
-from ..concurrency import OnceEach, run_concurrently
+from ..concurrency import OnceEach, fetch_concurrently, run_concurrently
 from ..errors import FormatError
 from .codecs import Codec, parse_codec
 from .dtypes import DTYPES
@@ -45,6 +45,7 @@ from .manifest import (
     _chunk_problems,
     _chunk_sizes,
     entry_problem,
+    listed_rows_bad,
     rows_bad,
 )
 from .segment_encoding import (
@@ -335,6 +336,7 @@ def _decode(data: bytes, ref: SegmentRef, source: SegmentSource | None, where: s
     raw = memoryview(data)[pos:]
     width = 2 * DIGEST_BYTES
     out: list[TensorEntry] = []
+    listed: list[tuple[TensorEntry, int]] = []  # entries whose chunks are ChunkRef tuples
     at = 0
     for i, rec in enumerate(records):
         head, tail, n = _fields(rec, i)
@@ -354,18 +356,44 @@ def _decode(data: bytes, ref: SegmentRef, source: SegmentSource | None, where: s
                 ChunkRef(names[blob_index[j]], offsets[j], sizes[j], nbytes[j],
                          hexes[(j - at) * width:(j - at + 1) * width])
                 for j in range(at, at + n))
-        at += n
         key, kind, dtype, shape, rows, codec = head
         grad, param, storage, grid = tail
         entry = TensorEntry(key, kind, dtype, shape, rows, codec, chunks, grad, param, storage,
                             grid)
-        problem = entry_problem(entry)
+        # listed chunks: their rows are checked below, all of the segment's at once
+        problem = entry_problem(entry, rows_checked=type(chunks) is tuple)
         if problem is not None:
             raise FormatError(f"tensor {entry.key!r:.200}: {problem}")
+        if n and type(chunks) is tuple:
+            listed.append((entry, at))
+        at += n
         out.append(entry)
     if at != nchunks:
         raise FormatError(f"{nchunks - at} chunk(s) belong to no tensor")
+    _check_listed(listed, arrays, nchunks)
     return _declared(out, ref)
+
+
+def _check_listed(listed: list[tuple[TensorEntry, int]], arrays: list[np.ndarray],
+                  nchunks: int) -> None:
+    """The chunk rules (`listed_rows_bad`) on the rows of entries whose chunks are listed as
+    ChunkRef tuples, (entry, its first row in the segment), all at once; FormatError naming
+    the first broken chunk as `entry_problem` would."""
+    if not listed:
+        return
+    counts = np.array([len(e.chunks) for e, _at in listed], dtype=np.int64)
+    if int(counts.sum()) == nchunks:  # every row (a segment of small tensors)
+        columns = arrays
+    else:
+        first = np.array([at for _e, at in listed], dtype=np.int64)
+        rows = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+        columns = [a[rows] for a in arrays]
+    bad = np.flatnonzero(listed_rows_bad([e for e, _at in listed], *columns[1:]))
+    if len(bad):
+        k = int(np.searchsorted(np.cumsum(counts), int(bad[0]), side="right"))
+        e = listed[k][0]
+        c = int(bad[0]) - int(counts[:k].sum())
+        raise FormatError(f"tensor {e.key!r:.200}: {_chunk_problems(e, [(c, e.chunks[c])])}")
 
 
 def _declared(entries: list[TensorEntry], ref: SegmentRef) -> list[TensorEntry]:
@@ -568,6 +596,7 @@ class SegmentedEntries(Sequence[TensorEntry]):
             self._starts.append(self._starts[-1] + r.tensors)
         self._segments: OnceEach[int, list[TensorEntry]] = OnceEach(self._read)
         self._parsed = self._segments.done
+        self._fetched: dict[int, bytes] = {}  # a prefetch's bytes, until decoded
         self._flat: list[TensorEntry] | None = None  # all entries, once every segment is read
 
     def __len__(self) -> int:
@@ -580,17 +609,29 @@ class SegmentedEntries(Sequence[TensorEntry]):
 
     def _read(self, s: int) -> list[TensorEntry]:
         ref = self.refs[s]
-        data = self._bytes(ref)
+        data = self._fetched.pop(s, None)
+        if data is None:
+            data = self._bytes(ref)
         with paused_collector():  # a short CPU-bound step: see collector.py
             return decode(data, ref, self._where, self._source)
 
     def prefetch(self, indexes: Iterable[int], workers: int) -> None:
-        """Read the segments holding tensors `indexes` that are not read yet, `workers` at a
-        time (a reader of many tensors hides the store's round trips); errors are left to
-        the accesses that need them."""
+        """Read the segments holding tensors `indexes` that are not read yet: their bytes
+        `workers` at a time (a reader of many tensors hides the store's round trips), each
+        decoded on the calling thread as it arrives. Errors are left to the accesses that
+        need them."""
         wanted = {bisect.bisect_right(self._starts, i) - 1 for i in indexes}
-        run_concurrently([functools.partial(self.segment, s) for s in sorted(wanted)
-                       if s not in self._parsed], workers)
+        fetches: dict[int, Callable[[], bytes]] = {
+            s: functools.partial(self._bytes, self.refs[s]) for s in sorted(wanted)
+            if s not in self._parsed}
+        fetch_concurrently(fetches, self._arrived, workers)
+
+    def _arrived(self, s: int, data: bytes) -> None:
+        self._fetched[s] = data
+        try:
+            self.segment(s)
+        finally:
+            self._fetched.pop(s, None)  # not kept when its decode failed
 
     def read_segment(self, s: int) -> list[TensorEntry]:
         """The entries of segment `s`, read and validated as `segment` does but not kept

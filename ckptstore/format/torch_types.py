@@ -256,11 +256,11 @@ def _local_runs(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
 
 def byte_view(t: torch.Tensor) -> np.ndarray | None:
     """A writable flat uint8 view of a CPU tensor's bytes if it is contiguous, else None."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+    if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     if t.numel() == 0:
         return np.empty(0, np.uint8)
-    return raw_numpy(t.detach()).reshape(-1).view(np.uint8)
+    return raw_numpy(t.detach() if t.requires_grad else t).reshape(-1).view(np.uint8)
 
 
 # ------------------------------------------------------------------------------ devices
@@ -476,7 +476,7 @@ def torch_device(device: torch.device) -> TorchDevice:
 
 def device_of(t: torch.Tensor) -> Any | None:
     """The device seam of a tensor's memory, or None when it is readable host memory."""
-    if t.device.type == "cpu":
+    if t.is_cpu:
         for dev in _HOST_DEVICES:
             if dev.owns(t):
                 return dev
@@ -630,15 +630,14 @@ class TorchMaterializer:
     def into(dest: Any, entry: TensorEntry) -> tuple[Any, np.ndarray, Any]:
         """Fill an existing tensor in place (no grad tracking); a temp buffer is used only when
         the destination is not a contiguous CPU tensor."""
-        dt = torch_dtype(entry.dtype.name)
-        target = dest.detach()
+        target = dest.detach() if dest.requires_grad else dest
         on_device = _bits(target)
         if on_device is not None:  # filled through the device seam, no host temp
             return dest, cast(np.ndarray, on_device), None
         view = byte_view(target)
         if view is not None:
             return dest, view, None
-        tmp = torch.empty(tuple(target.shape), dtype=dt)
+        tmp = torch.empty(tuple(target.shape), dtype=torch_dtype(entry.dtype.name))
         tmp_view = byte_view(tmp)
         assert tmp_view is not None
 

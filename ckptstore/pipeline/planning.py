@@ -53,7 +53,8 @@ class TensorSpec:
 
     @staticmethod
     def of(leaf: ArrayLeaf, global_shape: tuple[int, ...] | None = None) -> TensorSpec:
-        shape = tuple(int(s) for s in leaf.array.shape) if global_shape is None else global_shape
+        # (a numpy shape is a tuple of ints already; a device array's torch.Size becomes one)
+        shape = tuple(leaf.array.shape) if global_shape is None else global_shape
         return TensorSpec(leaf.key, leaf.kind, leaf.dtype, shape, leaf.requires_grad,
                           leaf.parameter)
 

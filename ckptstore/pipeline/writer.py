@@ -686,7 +686,7 @@ def build_entries(specs: list[TensorSpec], plans: list[LeafPlan],
     for i, (spec, plan) in enumerate(zip(specs, plans)):
         n = expected_chunk_count(spec.shape, plan.chunk_rows, spec.dtype.itemsize)
         try:
-            chunks = tuple(refs[(i, c)] for c in range(n))
+            chunks = (refs[(i, 0)],) if n == 1 else tuple(refs[(i, c)] for c in range(n))
         except KeyError as exc:
             raise CkptStoreError(f"{spec.key}: chunk {exc.args[0][1]} was written by no "
                                  "process") from None

@@ -1,16 +1,18 @@
-"""`OnceEach` and `run_concurrently` (ckptstore/concurrency.py), the pieces a load's prefetch
-of index segments and parts is made of: each key computed once however many threads ask,
-different keys at the same time, a failure not kept; a prefetch overlaps its calls and
-drops their errors for the later use to raise."""
+"""`OnceEach`, `run_concurrently` and `fetch_concurrently` (ckptstore/concurrency.py), the
+pieces a load's prefetch of index segments and parts is made of: each key computed once
+however many threads ask, different keys at the same time, a failure not kept; a prefetch
+overlaps its calls and drops their errors for the later use to raise; fetched results are
+used on the calling thread."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
 import pytest
 
-from ckptstore.concurrency import OnceEach, run_concurrently
+from ckptstore.concurrency import OnceEach, fetch_concurrently, run_concurrently
 
 
 def test_each_key_is_computed_once_and_different_keys_at_the_same_time() -> None:
@@ -75,3 +77,28 @@ def test_a_prefetch_overlaps_its_calls_and_drops_their_errors() -> None:
     run_concurrently([lambda: ran.append(1)], workers=8)  # one call: nothing to overlap
     run_concurrently([lambda: ran.append(2), lambda: ran.append(3)], workers=1)
     assert ran == []
+
+
+def test_fetches_overlap_and_their_results_are_used_on_the_calling_thread() -> None:
+    started: list[float] = []
+    used: list[tuple[int, str, str]] = []
+
+    def fetch(k: int) -> str:
+        started.append(time.monotonic())
+        time.sleep(0.1)
+        if k == 3:
+            raise ValueError("a fetch's error: left to the later use")
+        return f"bytes {k}"
+
+    def use(k: int, got: str) -> None:
+        if k == 2:
+            raise ValueError("a use's error: left to the later use")
+        used.append((k, got, threading.current_thread().name))
+
+    fetch_concurrently({k: functools.partial(fetch, k) for k in range(5)}, use, workers=8)
+    assert len(started) == 5 and max(started) - min(started) < 0.09  # side by side
+    me = threading.current_thread().name
+    assert sorted(used) == [(k, f"bytes {k}", me) for k in (0, 1, 4)]
+    fetch_concurrently({0: functools.partial(fetch, 0)}, use, workers=8)  # nothing to overlap
+    fetch_concurrently({k: functools.partial(fetch, k) for k in (0, 1)}, use, workers=1)
+    assert len(started) == 5

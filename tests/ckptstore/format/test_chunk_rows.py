@@ -5,7 +5,8 @@ What is checked (each fails when its rule is broken):
 * such entries decode equal to the entries that were encoded (indexing, slices, iteration,
   hashing), and encode back to the same bytes; entries of few chunks still get ChunkRefs;
 * every chunk rule broken in one row of the columns is refused with the message the same
-  chunk gets as a ChunkRef (the one statement of the rules, checked on all rows at once);
+  chunk gets as a ChunkRef (the one statement of the rules, checked on all rows at once),
+  in an entry of many chunks and in one of few (whose rows are checked segment-wide);
 * the raw size of every chunk computed on columns equals the chunk-by-chunk computation for
   any shape and grid;
 * a flipped byte of such a segment is refused or decodes to entries obeying the rules;
@@ -52,7 +53,7 @@ entry = valid_entry
 
 ENTRIES = [entry("rows", (131, 6), 2, seed=1), entry("grid", (31, 52), 3, (3, 5), seed=2),
            entry("zstd", (200,), 2, codec=ZSTD, seed=3), entry("few", (4, 3), 1, seed=4),
-           entry("scalar", (), 1, seed=5)]
+           entry("scalar", (), 1, seed=5), entry("fewz", (3, 2), 2, codec=ZSTD, seed=6)]
 ALG = hash_algorithm("xxh3-128")
 SEGMENT = encode(ENTRIES, ALG).head
 REF = SegmentRef("0" * 32, len(SEGMENT), len(ENTRIES), sum(e.nbytes for e in ENTRIES))
@@ -61,7 +62,7 @@ REF = SegmentRef("0" * 32, len(SEGMENT), len(ENTRIES), sum(e.nbytes for e in ENT
 def test_entries_of_many_chunks_decode_to_columns_equal_to_their_chunk_refs() -> None:
     got = decode(SEGMENT, REF, "x")
     assert got == ENTRIES and ENTRIES == got
-    assert [type(e.chunks) for e in got] == [ChunkRows] * 3 + [tuple] * 2
+    assert [type(e.chunks) for e in got] == [ChunkRows] * 3 + [tuple] * 3
     assert all(len(e.chunks) > ROWS_ABOVE for e in got[:3])
     for g, want in zip(got, ENTRIES):
         assert list(g.chunks) == list(want.chunks)
@@ -91,11 +92,14 @@ BREAKS = {
 }
 
 
-@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("which", range(len(ENTRIES)))
 @pytest.mark.parametrize("rule", sorted(BREAKS))
 def test_a_rule_broken_in_one_row_is_refused_as_a_chunk_ref_is(which: int, rule: str) -> None:
+    """Entries of many chunks (ChunkRows) and of few (ChunkRef tuples, whose rows a decode
+    checks for the whole segment at once) alike."""
     victim = ENTRIES[which]
-    k = len(victim.chunks) - 3  # past ROWS_ABOVE: only the columns' check can see it
+    # past ROWS_ABOVE only the columns' check can see it; of few chunks, the last one
+    k = len(victim.chunks) - (3 if len(victim.chunks) > ROWS_ABOVE else 1)
     bad = replace(victim, chunks=(*victim.chunks[:k], BREAKS[rule](victim.chunks[k]),
                                   *victim.chunks[k + 1:]))
     message = entry_problem(bad)
@@ -109,6 +113,28 @@ def test_a_rule_broken_in_one_row_is_refused_as_a_chunk_ref_is(which: int, rule:
     with pytest.raises(FormatError) as err:
         decode(data, ref, "x")
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("rule", sorted(BREAKS))
+def test_a_segment_of_few_chunk_entries_only_checks_every_row(rule: str) -> None:
+    """The segment-wide check where every row belongs to a ChunkRef tuple (a segment of
+    small tensors): the broken row is found wherever it is, with the ChunkRef message."""
+    few = ENTRIES[3:]
+    for victim in few:
+        k = len(victim.chunks) - 1
+        bad = replace(victim, chunks=(*victim.chunks[:k], BREAKS[rule](victim.chunks[k])))
+        message = entry_problem(bad)
+        if message is None:  # the rule is the other codec's
+            continue
+        entries = [bad if e is victim else e for e in few]
+        data = encode(entries, ALG).head
+        ref = SegmentRef("0" * 32, len(data), len(entries), sum(e.nbytes for e in entries))
+        with pytest.raises(FormatError) as err:
+            decode(data, ref, "x")
+        assert message in str(err.value) and repr(victim.key) in str(err.value)
+    good = encode(few, ALG).head
+    assert decode(good, SegmentRef("0" * 32, len(good), len(few),
+                                   sum(e.nbytes for e in few)), "x") == few
 
 
 @settings(max_examples=300, deadline=None)
