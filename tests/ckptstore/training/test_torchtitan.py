@@ -102,6 +102,9 @@ def run_ranks(assets: Path, run: Path, steps: int, interval: int, hold: int | No
         proc.wait(timeout=120)
     for r, proc in enumerate(procs):
         err = proc.stderr.read()[-3000:] if proc.stderr else ""
+        for pipe in (proc.stdout, proc.stderr):  # (their ends in this process)
+            if pipe is not None:
+                pipe.close()
         if hold is not None:
             assert proc.returncode == -signal.SIGKILL, (r, proc.returncode, err)
             assert lines[r][-1].startswith(f"hold {hold} "), (r, lines[r][-3:], err)
