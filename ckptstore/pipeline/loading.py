@@ -174,6 +174,8 @@ class LoadPlan:
     keep: tree_mod.KeyFilter | None
     #: where new torch tensors are made: a device seam (pipeline/device.py), None for host
     device: Any = None
+    #: `local_part` of each destination checked, by key (found once, used again to fill it)
+    parts: dict[str, tuple[Any, Runs | None, tuple[int, ...]]] = field(default_factory=dict)
 
 
 def plan_load(manifest: Manifest, into: Any = None, keys: Iterable[str] | None = None,
@@ -203,14 +205,14 @@ def plan_load(manifest: Manifest, into: Any = None, keys: Iterable[str] | None =
     also = {i: [k for k in extra if k in dests and dests[k] is not dests.get(key_of[i])]
             for i, extra in tied.items() if i in key_of}
     also = {i: ks for i, ks in also.items() if ks}
-    _check_into(manifest, selected, key_of, dests, strict, keep,
-                {k for ks in tied.values() for k in ks})
+    parts = _check_into(manifest, selected, key_of, dests, strict, keep,
+                        {k for ks in tied.values() for k in ks})
     for i, extra in also.items():  # a tied tensor's other destinations must fit it too
         for k in extra:
             _check_into(manifest, [i], {i: k}, {k: dests[k]}, False, keep)
     check_allocation(manifest, [i for i in selected if key_of.get(i, "") not in dests],
                      max_alloc_bytes)
-    return LoadPlan(manifest, selected, key_of, also, dests, keep, seam)
+    return LoadPlan(manifest, selected, key_of, also, dests, keep, seam, parts)
 
 
 def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:
@@ -232,7 +234,8 @@ def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:
             runs: Runs | None = None
             original = dests.get(key)
             if original is not None:
-                dest, runs, _gshape = local_part(original, key)
+                found = plan.parts.get(key)
+                dest, runs, _gshape = found if found is not None else local_part(original, key)
             try:
                 if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
                     if torch_mat is None:
@@ -493,11 +496,14 @@ def _leaf_keys_reached(node: Any, keep: tree_mod.KeyFilter, key: str | None = No
 
 def _check_into(manifest: Manifest, selected: list[int], key_of: dict[int, str],
                 dests: dict[str, Any], strict: bool, keep: tree_mod.KeyFilter | None,
-                also_stored: Iterable[str] = ()) -> None:
+                also_stored: Iterable[str] = ()
+                ) -> dict[str, tuple[Any, Runs | None, tuple[int, ...]]]:
     """Check that every destination found for a selected tensor can receive it in place (and,
     if `strict`, that every destination has a tensor: one at `key_of` or at `also_stored`,
-    the further keys of tied tensors); KeyMismatchError lists the problems."""
+    the further keys of tied tensors); KeyMismatchError lists the problems. Returns the
+    `local_part` of each destination checked, by key."""
     problems = []
+    parts = {}
     stored_keys = set(also_stored)
     for i in selected:
         key = key_of.get(i, "")
@@ -506,7 +512,7 @@ def _check_into(manifest: Manifest, selected: list[int], key_of: dict[int, str],
         if original is None:
             continue
         entry = manifest.tensors[i]
-        dest, runs, gshape = local_part(original, key)
+        dest, runs, gshape = parts[key] = local_part(original, key)
         if gshape != entry.shape:
             why: str | None = f"destination shape {gshape} != stored {entry.shape}"
         elif runs is None and tuple(dest.shape) != entry.shape:
@@ -528,3 +534,4 @@ def _check_into(manifest: Manifest, selected: list[int], key_of: dict[int, str],
     if problems:
         raise KeyMismatchError(f"cannot load {manifest.name!r} into the given state: "
                                + "; ".join(problems[:10]))
+    return parts

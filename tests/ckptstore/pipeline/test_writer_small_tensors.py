@@ -183,6 +183,11 @@ def test_parses_back_equal_refuses_what_would_not_round_trip():
         replace(m, metadata={"b": 1, "a": 2}),  # not in sorted order
         replace(m, metadata={1: "int key"}),
         replace(m, metadata={"f": float("inf")}),
+        replace(m, metadata={"a": [1, "x", {"b": [None, True, 2.5, (3,)]}]}),  # deep inside
+        replace(m, metadata={"a": [[float("nan")]]}),
+        replace(m, metadata={"a": ["x", b"bytes"]}),
+        replace(m, metadata={"a": {"b": np.int64(1)}}),
+        replace(m, metadata={"a": [{"d": 1, "c": 2}]}),
         replace(m, tree={"odict": [], "meta": {"none": None}}),  # parse sorts "meta" first
         replace(m, tree={"tensor": 5}),
         replace(m, parent="../x"),
