@@ -399,22 +399,22 @@ print("ok")
 
 
 def test_rngstate_restores_on_every_rank(tmp_path: Path) -> None:
-    """ckptstore.RNGState restored through CheckpointManager on 2 ranks. FAILS today (a bug
-    in ckptstore/training/rng.py, worked around in ckptstore.training.rank_rows): rank 1 dies
-    with SIGSEGV in torch.set_rng_state, which is handed `torch_cpu[1]`, a row view at storage
-    offset 5056 (torch reads the state from the storage start). Fix: `.clone()` the row (or
-    `.contiguous()` is not enough: the row already is contiguous)."""
+    """ckptstore.RNGState restored through CheckpointManager on 2 ranks. A regression test:
+    rank 1 used to die with SIGSEGV in torch.set_rng_state, handed `torch_cpu[1]`, a row view
+    at storage offset 5056 (torch reads the state from the storage start); rng.py now hands
+    it a clone of the row (`.contiguous()` is not enough: the row already is contiguous)."""
     procs = [subprocess.Popen([sys.executable, "-c", RNG_SCRIPT, str(r), str(tmp_path / "pg"),
                                str(tmp_path / "repo")], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
              for r in range(2)]
-    codes = []
+    codes, errors = [], []
     for proc in procs:
         try:
-            proc.wait(timeout=60)
+            _out, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()  # rank 0 waits at the barrier for a rank that died
-            proc.wait()
+            _out, err = proc.communicate()
         codes.append(proc.returncode)
-    assert codes == [0, 0], (codes, [p.stderr.read()[-500:] if p.stderr else "" for p in procs])
+        errors.append(err[-500:])
+    assert codes == [0, 0], (codes, errors)
