@@ -399,7 +399,14 @@ def _each_tensor_leaf(node: Any, key: str | None, keep: KeyFilter | None,
     if kind in CONTAINERS:
         for name, child in children(kind, value, key, keep):
             child_key = str(name) if key is None else f"{key}.{name}"
-            if keep is None or keep.reaches(child_key):  # else it holds no accepted leaf
+            if keep is None:
+                # the common leaf (a tensor) visited inline: a call per leaf was most of the walk
+                if type(child) is dict and len(child) == 1 and type(
+                        index := child.get("tensor")) is int:
+                    visit(index, child_key)
+                else:
+                    _each_tensor_leaf(child, child_key, keep, visit)
+            elif keep.reaches(child_key):  # else it holds no accepted leaf
                 _each_tensor_leaf(child, child_key, keep, visit)
     elif kind in ("tensor", "bytes"):
         leaf_key = "" if key is None else key
