@@ -2,14 +2,16 @@
 error every job not yet started is cancelled before the error propagates), `Turns` (how
 many threads of a save beside training may use a core at once), `run_concurrently` (calls
 whose errors their later users raise), `fetch_concurrently` (the same for fetches whose
-results the calling thread uses) and `OnceEach` (a value computed once per key, keys
-concurrently)."""
+results the calling thread uses), `read_ahead` (results used in order while the next ones
+are fetched) and `OnceEach` (a value computed once per key, keys concurrently)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Generic, TypeVar
 
@@ -179,6 +181,32 @@ def fetch_concurrently(fetches: dict[K, Callable[[], T]], use: Callable[[K, T], 
                 use(keys[future], future.result())
             except Exception:  # noqa: BLE001 - raised again by the access that needs it
                 pass
+
+
+def read_ahead(fetches: Sequence[Callable[[], T]], workers: int) -> Iterator[T]:
+    """The results of `fetches`, in order, fetched on up to `workers` threads while the
+    caller uses the earlier ones: at most `workers` results are fetched or in flight beyond
+    the one in use, so memory stays bounded however many there are. A fetch's error is
+    raised where its result is reached; the fetches not yet started are then cancelled (and
+    those running end) before it propagates, as when the caller stops early. With one
+    fetch or `workers` <= 1: each in turn, on the calling thread."""
+    if len(fetches) <= 1 or workers <= 1:
+        for fetch in fetches:
+            yield fetch()
+        return
+    pool = cf.ThreadPoolExecutor(min(workers, len(fetches)), thread_name_prefix="ckpt-ahead")
+    try:
+        following = iter(fetches)
+        pending: deque[cf.Future[T]] = deque(
+            pool.submit(fetch) for fetch in itertools.islice(following, workers))
+        while pending:
+            result = pending.popleft().result()
+            after = next(following, None)
+            if after is not None:
+                pending.append(pool.submit(after))
+            yield result
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 class OnceEach(Generic[K, V]):

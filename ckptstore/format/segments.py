@@ -27,7 +27,7 @@ from typing import Any, overload
 import numpy as np
 
 from ..collector import paused_collector
-from ..concurrency import OnceEach, fetch_concurrently, run_concurrently
+from ..concurrency import OnceEach, fetch_concurrently, read_ahead, run_concurrently
 from ..errors import FormatError
 from .codecs import Codec, parse_codec
 from .dtypes import DTYPES
@@ -75,6 +75,8 @@ _ROW_BYTES = sum(width for _dtype, width in CHUNK_COLUMNS) + DIGEST_BYTES
 #: Parts read at a time where all of a segment's are needed (gc, space, an incremental
 #: save's parent, verify): tens of small reads whose round trips would otherwise add up.
 PART_READ_THREADS = 8
+#: Segments read side by side by a pass over all of them (`SegmentedEntries.chunk_tables`).
+SEGMENT_READ_AHEAD = 8
 
 
 def version_for(entries: Sequence[TensorEntry]) -> int:
@@ -654,23 +656,33 @@ class SegmentedEntries(Sequence[TensorEntry]):
     def chunk_columns(self) -> Iterator[ChunkColumns | list[TensorEntry]]:
         """Each segment in order: its entries where already parsed, else its chunk columns
         straight from its bytes (not kept, no entries built; see `chunk_columns`)."""
-        for s, ref in enumerate(self.refs):
-            got = self._parsed.get(s)
-            yield got if got is not None else chunk_columns(self._bytes(ref), ref,
-                                                            self._where, self._source)
+        for s, got, data in self._each_segment():
+            yield got if data is None else chunk_columns(data, self.refs[s], self._where,
+                                                         self._source)
 
     def chunk_tables(self) -> Iterator[ChunkTable]:
         """The chunk references of each segment in order, as columns: a segment already
         parsed from its entries, any other straight from its bytes (not kept, no entries
         built; see `chunk_table`)."""
-        for s, ref in enumerate(self.refs):
-            got = self._parsed.get(s)
-            if got is not None:
+        for s, got, data in self._each_segment():
+            if data is None:
                 shared = segment_parts(got)
                 table = ChunkTable.of(got)
                 yield table if shared is None else replace(table, parts=shared.refs)
-                continue
-            yield chunk_table(self._bytes(ref), ref, self._where, self._source)
+            else:
+                yield chunk_table(data, self.refs[s], self._where, self._source)
+
+    def _each_segment(self) -> Iterator[tuple[int, list[TensorEntry], bytes | None]]:
+        """(s, entries, None) for each segment already parsed and (s, [], its bytes) for the
+        others, in order. A pass over every segment (an incremental save learning its
+        parent's chunks, space accounting, gc) reads them SEGMENT_READ_AHEAD at a time, so
+        a store's round trips overlap, holding no more than that many segments' bytes."""
+        known = [self._parsed.get(s) for s in range(len(self.refs))]
+        fetched = read_ahead([functools.partial(self._bytes, self.refs[s])
+                              for s, got in enumerate(known) if got is None],
+                             SEGMENT_READ_AHEAD)
+        for s, got in enumerate(known):
+            yield (s, got, None) if got is not None else (s, [], next(fetched))
 
     @overload
     def __getitem__(self, i: int) -> TensorEntry: ...

@@ -46,6 +46,7 @@ from ..format.manifest import (
     TensorEntry,
     expected_chunk_count,
 )
+from ..format.segment_encoding import IndexBlob
 from ..format.segments import ChunkColumns, version_for
 from ..layout import blob_key
 from ..stores.base import Store
@@ -63,7 +64,7 @@ from .device import (
     wait_all,
     wait_copy,
 )
-from .options import SaveOptions
+from .options import METADATA_THREADS, SaveOptions
 from .overlap import Overlap, Remapped, StagingPool, Tracking, host_pool
 from .planning import LeafPlan, TensorSpec, pack_groups, plan_leaves
 from .planning import rows_per_chunk as rows_per_chunk  # re-exported: older imports
@@ -598,6 +599,35 @@ class CheckpointWriter:
             self._claimed.add(digest)
         self.store.put(blob_key(digest), data)
 
+    def _put_index_blobs(self, index: Sequence[tuple[IndexBlob, bytes]]) -> None:
+        """Put the index blobs the store is not known to hold (like data, an index blob the
+        store holds is reused), side by side through one deferred batch: a save of many
+        small tensors has hundreds of segments and tree pages, and a durable put (an fsync,
+        or a round trip) after another cost it more than its data. Every one is durable when
+        this returns; on an error none that was not yet is made visible."""
+        new = [(ref.digest, data) for ref, data in index
+               if ref.digest not in self.known.index_blobs]
+        if not new:
+            return
+        with self._claim_lock:
+            self._claimed.update(digest for digest, _data in new)
+        batch = self.store.deferred()
+        try:
+            workers = min(METADATA_THREADS, self.options.threads(), len(new))
+            if workers <= 1:
+                for digest, data in new:
+                    batch.put(blob_key(digest), data)
+            else:
+                with cf.ThreadPoolExecutor(workers,
+                                           thread_name_prefix="ckpt-index") as pool:
+                    for done in [pool.submit(batch.put, blob_key(digest), data)
+                                 for digest, data in new]:
+                        done.result()
+        except BaseException:
+            batch.abandon()
+            raise
+        batch.commit()
+
     def commit(self, manifest: Manifest, manifest_key: str,
                reused: set[str] | None = None) -> bytes:
         """Write a version-3 manifest's new index blobs (segments, tree), make the blobs
@@ -621,11 +651,7 @@ class CheckpointWriter:
                               "nothing was committed (save fewer tensors per checkpoint, or a "
                               "larger chunk_bytes)")
         with self.stats.timed("commit"):
-            for ref, data in index:  # like data: an index blob the store holds is reused
-                if ref.digest not in self.known.index_blobs:
-                    with self._claim_lock:
-                        self._claimed.add(ref.digest)
-                    self.store.put(blob_key(ref.digest), data)
+            self._put_index_blobs(index)
             self.store.sync()  # every blob durable before the manifest exists
             self.confirm_sources()  # again, later: see Overlap.confirm
             if self.before_commit is not None:

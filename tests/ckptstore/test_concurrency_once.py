@@ -1,8 +1,10 @@
-"""`OnceEach`, `run_concurrently` and `fetch_concurrently` (ckptstore/concurrency.py), the
-pieces a load's prefetch of index segments and parts is made of: each key computed once
-however many threads ask, different keys at the same time, a failure not kept; a prefetch
-overlaps its calls and drops their errors for the later use to raise; fetched results are
-used on the calling thread."""
+"""`OnceEach`, `run_concurrently`, `fetch_concurrently` and `read_ahead`
+(ckptstore/concurrency.py), the pieces a load's prefetch of index segments and parts is
+made of: each key computed once however many threads ask, different keys at the same time,
+a failure not kept; a prefetch overlaps its calls and drops their errors for the later use
+to raise; fetched results are used on the calling thread; a read-ahead keeps its results in
+order, fetches a bounded number ahead, raises an error where it is reached and leaves no
+fetch running once it stops."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import time
 
 import pytest
 
-from ckptstore.concurrency import OnceEach, fetch_concurrently, run_concurrently
+from ckptstore.concurrency import OnceEach, fetch_concurrently, read_ahead, run_concurrently
 
 
 def test_each_key_is_computed_once_and_different_keys_at_the_same_time() -> None:
@@ -102,3 +104,70 @@ def test_fetches_overlap_and_their_results_are_used_on_the_calling_thread() -> N
     fetch_concurrently({0: functools.partial(fetch, 0)}, use, workers=8)  # nothing to overlap
     fetch_concurrently({k: functools.partial(fetch, k) for k in (0, 1)}, use, workers=1)
     assert len(started) == 5
+
+
+class _Fetches:
+    """`count` fetches of 20 ms each, recording how many ran at once and which started."""
+
+    def __init__(self, count: int, fail_at: int = -1) -> None:
+        self.started: list[int] = []
+        self.running = 0
+        self.most = 0
+        self.threads: set[int] = set()
+        self.lock = threading.Lock()
+        self.fail_at = fail_at
+        self.calls = [functools.partial(self.fetch, i) for i in range(count)]
+
+    def fetch(self, i: int) -> int:
+        with self.lock:
+            self.started.append(i)
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.threads.add(threading.get_ident())
+        time.sleep(0.02)
+        with self.lock:
+            self.running -= 1
+        if i == self.fail_at:
+            raise OSError(f"fetch {i} failed")
+        return i * 10
+
+
+def test_read_ahead_keeps_order_overlaps_and_stays_bounded() -> None:
+    fetches = _Fetches(30)
+    seen = []
+    for got in read_ahead(fetches.calls, workers=4):
+        with fetches.lock:  # never more than 4 fetched or in flight beyond the one in use
+            assert len(fetches.started) <= len(seen) + 1 + 4
+        seen.append(got)
+        time.sleep(0.005)
+    assert seen == [i * 10 for i in range(30)]
+    assert 1 < fetches.most <= 4
+    assert threading.get_ident() not in fetches.threads
+
+
+def test_read_ahead_raises_an_error_where_it_is_reached_and_cancels_the_rest() -> None:
+    fetches = _Fetches(40, fail_at=5)
+    seen = []
+    before = threading.active_count()
+    with pytest.raises(OSError, match="fetch 5 failed"):
+        for got in read_ahead(fetches.calls, workers=3):
+            seen.append(got)
+    assert seen == [0, 10, 20, 30, 40]  # every result before the failed one was handed out
+    assert len(fetches.started) < 40  # the later ones were cancelled
+    assert fetches.running == 0 and threading.active_count() == before
+
+
+def test_read_ahead_stopped_early_leaves_nothing_running() -> None:
+    fetches = _Fetches(40)
+    before = threading.active_count()
+    ahead = read_ahead(fetches.calls, workers=3)
+    assert [next(ahead), next(ahead)] == [0, 10]
+    ahead.close()
+    assert fetches.running == 0 and threading.active_count() == before
+    assert len(fetches.started) <= 2 + 3 + 1
+
+
+def test_read_ahead_of_one_worker_runs_on_the_calling_thread() -> None:
+    fetches = _Fetches(3)
+    assert list(read_ahead(fetches.calls, workers=1)) == [0, 10, 20]
+    assert fetches.threads == {threading.get_ident()} and fetches.most == 1

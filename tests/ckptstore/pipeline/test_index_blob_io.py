@@ -1,0 +1,225 @@
+"""Index blobs (segments, tree pages) move side by side: a commit puts them through one
+deferred batch (CheckpointWriter._put_index_blobs), and a pass over every segment of a
+checkpoint (an incremental save learning its parent's chunks, space accounting) reads them
+a few at a time (SegmentedEntries._each_segment). The speed must change nothing else:
+
+- on a remote-like store the puts and the reads really overlap;
+- a put that fails leaves no checkpoint and no index blob of the batch in the folder, the
+  earlier checkpoint loads, and the same save then commits;
+- an unchanged index blob is not put again by the next save (it is reused like data);
+- a segment that cannot be read fails the pass that needs it, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import CheckpointStore, FormatError
+from ckptstore.errors import ObjectNotFoundError
+from ckptstore.layout import blob_key
+from ckptstore.stores.base import DeferredPuts
+from ckptstore.stores.local import LocalStore
+from ckptstore.stores.memory import MemoryStore
+from tests.helpers import assert_same
+
+TENSORS = 3000  # segmented (version 3): about a dozen segments and a few tree pages
+
+
+def small_state(seed: int, n: int = TENSORS) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"blocks.{i // 100}.p{i % 100}": torch.randn(16, generator=g) for i in range(n)}
+
+
+def index_digests(repo: CheckpointStore, name: str) -> set[str]:
+    return {ref.digest for ref in repo.manifest(name).index_blobs()}
+
+
+class _SlowIndexStore(MemoryStore):
+    """A memory store whose puts of index blobs take a while, as a round trip to S3 does:
+    it records how many were in flight at once."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.index_keys: set[str] = set()
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.index_puts: list[str] = []
+        self._count = threading.Lock()
+
+    def put(self, key, data):
+        if key not in self.index_keys:
+            return super().put(key, data)
+        with self._count:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            self.index_puts.append(key)
+        try:
+            time.sleep(0.02)
+            return super().put(key, data)
+        finally:
+            with self._count:
+                self.in_flight -= 1
+
+
+def test_index_blobs_are_put_side_by_side_and_reused_when_unchanged():
+    # the index blobs' keys are learned from a first save into another store (same bytes)
+    first = CheckpointStore(MemoryStore(f"learn-{os.getpid()}"))
+    state = small_state(0)
+    first.save("a", state)
+    keys = {blob_key(d) for d in index_digests(first, "a")}
+    assert len(keys) >= 8
+    store = _SlowIndexStore(f"slow-{os.getpid()}")
+    store.index_keys = keys
+    repo = CheckpointStore(store)
+    repo.save("a", state)
+    assert sorted(store.index_puts) == sorted(keys)  # every one put, once
+    assert store.most_in_flight > 1
+    assert_same(repo.load("a"), state)
+    # one tensor changed: only the index blobs that changed are put again
+    store.index_puts.clear()
+    changed = dict(state)
+    changed["blocks.0.p0"] = changed["blocks.0.p0"] + 1
+    repo.save("b", changed)
+    again = index_digests(repo, "b") & index_digests(repo, "a")
+    assert again, "an unchanged segment must be reused"
+    assert not {blob_key(d) for d in again} & set(store.index_puts)
+    assert_same(repo.load("b"), changed)
+
+
+class _FailingBatch(DeferredPuts):
+    """A deferred batch whose `fail_at`-th put fails (a full disk), wrapping the real one."""
+
+    def __init__(self, store: LocalStore, inner: DeferredPuts, fail_at: int) -> None:
+        super().__init__(store)
+        self.inner, self.fail_at = inner, fail_at
+        self.puts = 0
+        self.lock = threading.Lock()
+
+    def put(self, key, data):
+        with self.lock:
+            self.puts += 1
+            fail = self.puts == self.fail_at
+        if fail:
+            raise OSError(28, "No space left on device")
+        self.inner.put(key, data)
+
+    def commit(self):
+        self.inner.commit()
+
+    def abandon(self):
+        self.inner.abandon()
+
+
+class _FailingIndexStore(LocalStore):
+    fail_at = 0
+
+    def deferred(self):
+        inner = super().deferred()
+        return _FailingBatch(self, inner, self.fail_at) if self.fail_at else inner
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("fail_at", [1, 5])
+def test_a_failed_index_put_commits_nothing_and_leaves_no_index_blob(tmp_path: Path, fail_at):
+    store = _FailingIndexStore(str(tmp_path))
+    repo = CheckpointStore(store)
+    base = small_state(1)
+    repo.save("base", base)
+    before = _files(tmp_path)
+    store.fail_at = fail_at
+    state = small_state(2)
+    with pytest.raises(OSError, match="No space left"):
+        repo.save("next", state)
+    assert [c.name for c in repo.list()] == ["base"]
+    reopened = CheckpointStore(str(tmp_path), create=False)
+    assert [c.name for c in reopened.list()] == ["base"]
+    assert_same(reopened.load("base"), base)
+    # the data blobs of the failed save may stay (gc reclaims them); its index blobs, put
+    # through the abandoned batch, never became visible, and no temp file of them is left
+    index_keys = {blob_key(d) for d in index_digests(
+        _learn(state, tmp_path / "learn"), "next")}
+    left = _files(tmp_path) - before
+    assert not left & index_keys
+    assert not [f for f in left if os.path.basename(f).startswith(".")]
+    store.fail_at = 0
+    repo.save("next", state)
+    assert_same(CheckpointStore(str(tmp_path), create=False).load("next"), state)
+
+
+def _learn(state: dict[str, torch.Tensor], folder: Path) -> CheckpointStore:
+    """A store holding `state` saved alone as "next" (its index blobs' digests)."""
+    repo = CheckpointStore(str(folder))
+    repo.save("next", state, parent=None)
+    return repo
+
+
+class _SlowReadStore(MemoryStore):
+    """A memory store whose reads of `slow_keys` take a while (a remote store's round trip):
+    it records how many were in flight at once."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.slow_keys: set[str] = set()
+        self.missing: set[str] = set()
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.reads = 0
+        self._count = threading.Lock()
+
+    def get(self, key):
+        if key in self.missing:
+            raise ObjectNotFoundError(f"no object {key!r}")
+        if key not in self.slow_keys:
+            return super().get(key)
+        with self._count:
+            self.in_flight += 1
+            self.reads += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            time.sleep(0.01)
+            return super().get(key)
+        finally:
+            with self._count:
+                self.in_flight -= 1
+
+
+def test_a_pass_over_every_segment_reads_them_side_by_side():
+    store = _SlowReadStore(f"slowread-{os.getpid()}")
+    state = small_state(3)
+    CheckpointStore(store).save("a", state)
+    segments = CheckpointStore(store).manifest("a").segment_refs()
+    assert len(segments) >= 8
+    store.slow_keys = {blob_key(r.digest) for r in segments}
+    # a restarted process's incremental save learns the parent's chunks from its segments
+    changed = dict(state)
+    changed["blocks.3.p7"] = changed["blocks.3.p7"] * 2
+    info = CheckpointStore(store).save("b", changed)
+    assert store.reads >= len(segments) and store.most_in_flight > 1
+    assert info.written_bytes < info.logical_bytes / 10  # the parent's chunks were reused
+    assert_same(CheckpointStore(store).load("b"), changed)
+    # space accounting over a fresh process's view reads them the same way
+    store.reads = store.most_in_flight = 0
+    extents = CheckpointStore(store).manifest("a").blob_extents()
+    assert store.reads == len(segments) and store.most_in_flight > 1
+    assert {r.digest for r in segments} <= set(extents)
+
+
+def test_a_missing_segment_fails_the_incremental_save_that_reads_it():
+    store = _SlowReadStore(f"missing-{os.getpid()}")
+    state = small_state(4)
+    CheckpointStore(store).save("a", state)
+    segments = CheckpointStore(store).manifest("a").segment_refs()
+    lost = segments[len(segments) // 2].digest
+    store.missing = {blob_key(lost)}
+    with pytest.raises(FormatError, match=f"index blob {lost} has no good copy: missing"):
+        CheckpointStore(store).save("b", small_state(5))
+    assert [c.name for c in CheckpointStore(store).list()] == ["a"]
