@@ -11,7 +11,7 @@ import concurrent.futures as cf
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Generic, TypeVar
 
@@ -183,7 +183,7 @@ def fetch_concurrently(fetches: dict[K, Callable[[], T]], use: Callable[[K, T], 
                 pass
 
 
-def read_ahead(fetches: Sequence[Callable[[], T]], workers: int) -> Iterator[T]:
+def read_ahead(fetches: Sequence[Callable[[], T]], workers: int) -> Generator[T, None, None]:
     """The results of `fetches`, in order, fetched on up to `workers` threads while the
     caller uses the earlier ones: at most `workers` results are fetched or in flight beyond
     the one in use, so memory stays bounded however many there are. A fetch's error is

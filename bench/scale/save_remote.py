@@ -12,7 +12,8 @@ and repetition, each in a fresh process, into a prefix of their own:
 
 * full: no parent, every blob is written;
 * incremental: 10% of the tensors changed, parent the full save, from a restarted process
-  (it reads the parent's index segments to learn its chunks).
+  (it reads the parent's index segments to learn its chunks);
+* load: the incremental checkpoint loaded whole (new tensors) by a fresh process.
 
 Reported per save: seconds, the PUTs and GETs made (the root, index blobs, data), and the
 state's bytes.
@@ -36,11 +37,11 @@ HERE = Path(__file__).resolve().parent.parent  # bench/
 BUCKET = "saves"
 
 
-def measure(endpoint: str, prefix: str, tensors: int, latency: float, incremental: bool
+def measure(endpoint: str, prefix: str, tensors: int, latency: float, kind: str
             ) -> dict[str, Any]:
-    """Worker: one save of `tensors` 1 KiB tensors under `prefix` (this process's
-    ckptstore): "full" with no parent, or (`incremental`) "incr", 10% of them changed, on
-    top of "full"."""
+    """Worker, one `kind` of the module docstring under `prefix` (this process's
+    ckptstore): "full" saves `tensors` 1 KiB tensors with no parent, "incremental" saves
+    "incr" with 10% of them changed on top of it, "load" loads "incr"."""
     import threading
 
     import ckptstore
@@ -74,16 +75,26 @@ def measure(endpoint: str, prefix: str, tensors: int, latency: float, incrementa
             super().read_into(key, start, out)
 
     state = build_small(tensors)
-    if incremental:
+    if kind != "full":
         for i, t in enumerate(state.values()):
             if i % 10 == 0:
                 t.add_(1.0)
     repo = ckptstore.CheckpointStore(FarS3Store(BUCKET, prefix, endpoint_url=endpoint))
     t0 = time.perf_counter()
-    info = (repo.save("incr", state) if incremental else repo.save("full", state, parent=None))
-    seconds = time.perf_counter() - t0
+    if kind == "load":
+        loaded = repo.load("incr")
+        seconds = time.perf_counter() - t0
+        if list(loaded) != list(state) or any(not a.equal(b) for a, b in
+                                              zip(loaded.values(), state.values())):
+            raise AssertionError("the loaded state differs from the saved one")
+        written, nbytes = 0, sum(t.nbytes for t in state.values())
+    else:
+        info = (repo.save("incr", state) if kind == "incremental"
+                else repo.save("full", state, parent=None))
+        seconds = time.perf_counter() - t0
+        written, nbytes = info.written_bytes, info.logical_bytes
     return {"seconds": seconds, "puts": counts["put"], "gets": counts["get"],
-            "bytes": info.logical_bytes, "written": info.written_bytes}
+            "bytes": nbytes, "written": written}
 
 
 def _env(source: str) -> dict[str, str]:
@@ -110,11 +121,11 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prefix", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--incremental", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kind", default="full", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:  # in a process importing one source tree
         print(json.dumps(measure(args.endpoint, args.prefix, args.tensors,
-                                 args.latency_ms / 1000, args.incremental)))
+                                 args.latency_ms / 1000, args.kind)))
         return
     if not args.source:
         ap.error("name at least one --source")
@@ -129,12 +140,11 @@ def main() -> None:
         for rep in range(args.reps):
             for source in args.source:
                 prefix = f"p-{uuid.uuid4().hex[:12]}"
-                for kind in ("full", "incremental"):
+                for kind in ("full", "incremental", "load"):
                     out = subprocess.run(
                         [sys.executable, "-m", "scale.save_remote", "--worker", "--endpoint",
                          endpoint, "--prefix", prefix, "--tensors", str(args.tensors),
-                         "--latency-ms", str(args.latency_ms),
-                         *(["--incremental"] if kind == "incremental" else [])],
+                         "--latency-ms", str(args.latency_ms), "--kind", kind],
                         env={**_env(source), **env_extra}, cwd=HERE, capture_output=True,
                         text=True)
                     if out.returncode:
@@ -142,10 +152,12 @@ def main() -> None:
                               f"{out.stderr.strip().splitlines()[-1][:200]}")
                         break
                     got = json.loads(out.stdout.strip().splitlines()[-1])
+                    moved = (f"{got['bytes'] / 2**20:.1f} MiB loaded" if kind == "load" else
+                             f"{got['written'] / 2**20:.1f} of {got['bytes'] / 2**20:.1f} MiB "
+                             "written")
                     print(f"rep {rep + 1} {source} {kind}, latency {args.latency_ms:g} ms: "
                           f"{got['seconds']:.3f} s, {got['puts']} PUTs, {got['gets']} GETs, "
-                          f"{got['written'] / 2**20:.1f} of {got['bytes'] / 2**20:.1f} MiB "
-                          "written", flush=True)
+                          f"{moved}", flush=True)
     finally:
         os.killpg(server.pid, signal.SIGKILL)
 

@@ -21,6 +21,7 @@ import functools
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import replace
 from typing import Any, overload
 
@@ -678,11 +679,11 @@ class SegmentedEntries(Sequence[TensorEntry]):
         parent's chunks, space accounting, gc) reads them SEGMENT_READ_AHEAD at a time, so
         a store's round trips overlap, holding no more than that many segments' bytes."""
         known = [self._parsed.get(s) for s in range(len(self.refs))]
-        fetched = read_ahead([functools.partial(self._bytes, self.refs[s])
-                              for s, got in enumerate(known) if got is None],
-                             SEGMENT_READ_AHEAD)
-        for s, got in enumerate(known):
-            yield (s, got, None) if got is not None else (s, [], next(fetched))
+        with closing(read_ahead([functools.partial(self._bytes, self.refs[s])
+                                 for s, got in enumerate(known) if got is None],
+                                SEGMENT_READ_AHEAD)) as fetched:
+            for s, got in enumerate(known):
+                yield (s, got, None) if got is not None else (s, [], next(fetched))
 
     @overload
     def __getitem__(self, i: int) -> TensorEntry: ...

@@ -21,10 +21,12 @@ import functools
 import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
 from ..collector import paused_collector
+from ..concurrency import read_ahead
 from ..errors import FormatError
 from .canonical import canonical_str, reject_constant
 from .hashing import is_digest
@@ -35,6 +37,8 @@ from .tree import CONTAINERS, KeyFilter, node_kind
 PAGED_ABOVE = 1024
 #: children per page (the last page of a container may hold fewer)
 PAGE_ITEMS = 512
+#: pages fetched side by side by a read of many pages of one container
+PAGE_READ_AHEAD = 8
 _DICTS = ("dict", "odict")
 _DESCRIPTOR_FIELDS = frozenset({"kind", "count", "pages"})
 _PAGE_FIELDS = frozenset({"first", "count", "digest", "size"})
@@ -170,9 +174,16 @@ class PageSet:
 
     def read(self, items: PagedItems, j: int) -> list[tuple[int, str, Any]]:
         """Page `j` of `items`: (position, name, item) rows, validated."""
+        return self.decode(items, j, self.fetch(items, j))
+
+    def fetch(self, items: PagedItems, j: int) -> bytes:
+        """The bytes of page `j` of `items`, matched to its digest (not yet validated)."""
+        return self._source(items.pages[j].ref)
+
+    def decode(self, items: PagedItems, j: int, data: bytes) -> list[tuple[int, str, Any]]:
+        """Page `j` of `items` from its fetched bytes: (position, name, item) rows, validated."""
         page = items.pages[j]
         upper = items.pages[j + 1].first if j + 1 < len(items.pages) else None
-        data = self._source(page.ref)
         try:
             with paused_collector():
                 doc = json.loads(data.decode("utf-8"), parse_constant=reject_constant)
@@ -251,9 +262,24 @@ class PagedItems(Sequence[Any]):
                     got = self._rows[j] = self._set.read(self, j)
         return got
 
+    def _read_pages(self, wanted: Sequence[int]) -> None:
+        """Read and keep the pages among `wanted` not read yet: fetched PAGE_READ_AHEAD at a
+        time (a store's round trips overlap), each validated on the calling thread as it
+        arrives. A page that cannot be read raises here; those before it are kept."""
+        todo = [j for j in wanted if j not in self._rows]
+        if len(todo) <= 1:
+            return  # `page` reads it when needed
+        with closing(read_ahead([functools.partial(self._set.fetch, self, j) for j in todo],
+                                PAGE_READ_AHEAD)) as fetched:
+            for j in todo:
+                rows = self._set.decode(self, j, next(fetched))
+                with self._lock:
+                    self._rows.setdefault(j, rows)
+
     def _everything(self) -> list[Any]:
         got = self._all
         if got is None:
+            self._read_pages(range(len(self.pages)))
             ordered: list[Any] = [None] * self.length
             seen = 0
             for j in range(len(self.pages)):
@@ -306,6 +332,7 @@ class PagedItems(Sequence[Any]):
         if len(wanted) == len(self.pages):  # every page: the container's own order
             return [(item[0][1], item[1]) if dicts else (pos, item)
                     for pos, item in enumerate(self._everything())]
+        self._read_pages(wanted)
         rows = sorted((row for j in wanted for row in self.page(j)), key=lambda r: r[0])
         return [(item[0][1], item[1]) if dicts else (pos, item) for pos, _n, item in rows]
 

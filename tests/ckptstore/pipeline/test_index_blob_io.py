@@ -223,3 +223,32 @@ def test_a_missing_segment_fails_the_incremental_save_that_reads_it():
     with pytest.raises(FormatError, match=f"index blob {lost} has no good copy: missing"):
         CheckpointStore(store).save("b", small_state(5))
     assert [c.name for c in CheckpointStore(store).list()] == ["a"]
+
+
+def test_a_whole_load_reads_the_tree_pages_side_by_side_and_a_partial_one_few():
+    store = _SlowReadStore(f"pages-{os.getpid()}")
+    state = small_state(6, n=6000)  # one dict of 6,000 keys: 12 pages of 512
+    CheckpointStore(store).save("a", state)
+    pages = CheckpointStore(store).manifest("a").tree_page_refs()
+    assert len(pages) >= 8
+    store.slow_keys = {blob_key(r.digest) for r in pages}
+    assert_same(CheckpointStore(store).load("a"), state)
+    assert store.reads == len(pages) and store.most_in_flight > 1
+    store.reads = store.most_in_flight = 0
+    wanted = ["blocks.7.p3", "blocks.42.p99"]
+    got = CheckpointStore(store).load("a", keys=wanted)
+    assert_same(got, {k: state[k] for k in wanted})
+    assert store.reads == 2  # the two pages whose names reach them
+
+
+def test_a_missing_tree_page_fails_the_load_naming_it():
+    store = _SlowReadStore(f"page-missing-{os.getpid()}")
+    state = small_state(7, n=6000)
+    CheckpointStore(store).save("a", state)
+    pages = CheckpointStore(store).manifest("a").tree_page_refs()
+    lost = pages[len(pages) // 2].digest
+    store.missing = {blob_key(lost)}
+    with pytest.raises(FormatError, match=f"index blob {lost} has no good copy: missing"):
+        CheckpointStore(store).load("a")
+    store.missing = set()  # the page is back: nothing of the failure was kept
+    assert_same(CheckpointStore(store).load("a"), state)
