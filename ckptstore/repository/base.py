@@ -184,13 +184,18 @@ class CheckpointStore:
         """Every committed checkpoint, in commit order (oldest first: by creation time, then
         name). Manifests that cannot be read are skipped and logged (see `problems`). One
         parsed manifest is held at a time: those read are not cached."""
-        infos = []
-        for _created, name in self._order():
+        return [CheckpointInfo(m.name, m.created, m.metadata, m.logical_bytes, len(m.tensors),
+                               m.parent)
+                for m in self._readable([name for _created, name in self._order()])]
+
+    def _readable(self, names: builtins.list[str]) -> Iterator[Manifest]:
+        """The manifests of `names` that can be read, in order, one at a time and not cached
+        (those that cannot are skipped and logged: `find`). A single store reads the next
+        ones' bytes meanwhile (catalog.in_turn)."""
+        for name in names:
             m = find(lambda n: self._manifest_of(n, cache=False), name)
             if m is not None:
-                infos.append(CheckpointInfo(m.name, m.created, m.metadata, m.logical_bytes,
-                                            len(m.tensors), m.parent))
-        return infos
+                yield m
 
     def _order(self) -> builtins.list[tuple[float, str]]:
         return sorted((c, n) for n, c in self.created_times().items())

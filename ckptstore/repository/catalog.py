@@ -9,22 +9,32 @@ with `{"created":<time>,"format":"ckptstore.manifest"`, and the order is read fr
 object: a listing whose name, size and modification time are unchanged reuses the time read
 before, so a save in a repository of 500 checkpoints costs one listing, not 500 reads; a
 fresh process starts from the times a saving process recorded (order_hint.py). Only
-the manifests asked for are parsed; a pass over every manifest (`scan`, and `manifest(name,
-cache=False)` for list, gc) does not cache what it reads, so it holds one parsed manifest at a
-time. `latest` is the newest whole checkpoint in that order, never a stored pointer.
+the manifests asked for are parsed; a pass over every manifest (`scan`, `in_turn` for list,
+ls, du, gc) does not cache what it reads, so it holds one parsed manifest at a time, while
+the bytes of the next few are read side by side. `latest` is the newest whole checkpoint in
+that order, never a stored pointer.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 
-from ..errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError, StoreError
+from ..concurrency import read_ahead
+from ..errors import (
+    CheckpointNotFoundError,
+    CkptStoreError,
+    FormatError,
+    ObjectNotFoundError,
+    StoreError,
+)
 from ..format.hashing import HashAlgorithm
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..format.manifest_parse import parse_manifest
@@ -39,7 +49,15 @@ _HEADER_BYTES = 96
 #: parsed manifests cached, in tensor entries (about 1 KB each parsed): the newest manifest
 #: is always kept, whatever its size
 CACHE_TENSORS = 400_000
+#: a pass over many manifests (`Catalog.in_turn`) reads this many ahead of the one in use,
+#: each of at most READ_AHEAD_MANIFEST_BYTES (a larger one is read when its turn comes)
+MANIFEST_READ_AHEAD = 8
+READ_AHEAD_MANIFEST_BYTES = 8 << 20
 log = logging.getLogger("ckptstore")
+
+
+def _given(manifest: Manifest, _name: str) -> Manifest:
+    return manifest
 
 
 @dataclass(frozen=True)
@@ -101,6 +119,16 @@ class Catalog:
 
     def _read(self, name: str) -> Manifest:
         """Read, parse and validate the manifest of `name` from the store (not cached)."""
+        return self._parse(name, self._fetch(name))
+
+    def _fetch(self, name: str) -> bytes:
+        raw = self._fetch_at_most(name, MAX_MANIFEST_BYTES)
+        assert raw is not None  # within the cap, or _fetch_at_most raised
+        return raw
+
+    def _fetch_at_most(self, name: str, most: int) -> bytes | None:
+        """The bytes of the manifest of `name`, its size checked against the cap before it is
+        read; None (nothing read) where it is larger than `most` but within the cap."""
         key = manifest_key(name)
         try:
             size = self.store.stat(key).size
@@ -108,10 +136,12 @@ class Catalog:
                 raise FormatError(f"checkpoint {name!r} in {self.store.uri}: manifest of "
                                   f"{size} bytes is larger than the {MAX_MANIFEST_BYTES} "
                                   "allowed")
-            raw = self.store.get(key)
+            return None if size > most else self.store.get(key)
         except ObjectNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.store.uri}"
                                           ) from None
+
+    def _parse(self, name: str, raw: bytes) -> Manifest:
         try:
             return parse_manifest(raw, name, self.hash,
                                   segments_in([self.store, *self.segment_fallbacks], self.hash))
@@ -121,6 +151,37 @@ class Catalog:
     def find_manifest(self, name: str) -> Manifest | None:
         """The manifest of `name`, or None if there is none or it cannot be read (logged)."""
         return find(self.manifest, name)
+
+    def in_turn(self, names: Sequence[str]) -> Iterator[tuple[str, Callable[[str], Manifest]]]:
+        """(name, `manifest_of`) for each of `names` in order, where `manifest_of(name)` gives
+        what `manifest(name, cache=False)` gives or raises what it raises: for a pass over
+        many checkpoints (list, ls, du, gc). A manifest not cached is parsed by that call and
+        not kept, so the pass holds one parsed manifest at a time; meanwhile the bytes of the
+        next MANIFEST_READ_AHEAD are read side by side (a remote store's round trips
+        overlap), at most READ_AHEAD_MANIFEST_BYTES each: a larger one is read in its turn."""
+        with self._lock:
+            cached = {n: m for n in names if (m := self._manifests.get(n)) is not None}
+
+        def fetch(name: str) -> bytes | None | CkptStoreError:
+            try:
+                return self._fetch_at_most(name, READ_AHEAD_MANIFEST_BYTES)
+            except (CheckpointNotFoundError, FormatError) as exc:
+                return exc  # raised by the call of its turn, not by the pass
+
+        def parsed(raw: bytes | None | CkptStoreError, name: str) -> Manifest:
+            if isinstance(raw, CkptStoreError):
+                raise raw
+            return self._parse(name, raw if raw is not None else self._fetch(name))
+
+        todo = [n for n in names if n not in cached]
+        with closing(read_ahead([functools.partial(fetch, n) for n in todo],
+                                MANIFEST_READ_AHEAD)) as fetched:
+            for name in names:
+                got = cached.get(name)
+                if got is not None:
+                    yield name, functools.partial(_given, got)
+                else:
+                    yield name, functools.partial(parsed, next(fetched))
 
     def remember(self, manifest: Manifest) -> None:
         """Cache a manifest this process committed (or read): it equals what any reader
@@ -188,20 +249,20 @@ class Catalog:
         read once, for both."""
         found: list[ManifestProblem] = []
         listed = self.listing(found)
-        ordered = set()
-        for _created, name in self.order():
-            ordered.add(name)
-            manifest = self._scanned(name, found)
+        ordered = [name for _created, name in self.order()]
+        for name, manifest_of in self.in_turn(ordered):
+            manifest = self._scanned(name, manifest_of, found)
             if manifest is not None:
                 yield manifest
-        for name in listed:
-            if name not in ordered:  # a head that cannot be read: is the rest readable?
-                self._scanned(name, found)
+        # a head that cannot be read: is the rest readable?
+        for name, manifest_of in self.in_turn([n for n in listed if n not in set(ordered)]):
+            self._scanned(name, manifest_of, found)
         problems.extend(sorted(found, key=lambda p: p.key))
 
-    def _scanned(self, name: str, found: list[ManifestProblem]) -> Manifest | None:
+    def _scanned(self, name: str, manifest_of: Callable[[str], Manifest],
+                 found: list[ManifestProblem]) -> Manifest | None:
         try:
-            return self.manifest(name, cache=False)
+            return manifest_of(name)
         except CheckpointNotFoundError:
             return None  # deleted meanwhile
         except FormatError as exc:

@@ -80,7 +80,7 @@ from .base import (
     SaveCall,
     _Default,
 )
-from .catalog import Catalog, ManifestProblem
+from .catalog import Catalog, ManifestProblem, find
 from .handles import LoadInfo, SaveHandle
 from .marker import check_marker
 
@@ -170,6 +170,12 @@ class SingleStore(CheckpointStore, kind="single"):
 
     def each_manifest(self, problems: builtins.list[ManifestProblem]) -> Iterator[Manifest]:
         return self.catalog.scan(problems)
+
+    def _readable(self, names: builtins.list[str]) -> Iterator[Manifest]:
+        for name, manifest_of in self.catalog.in_turn(names):
+            m = find(manifest_of, name)
+            if m is not None:
+                yield m
 
     def known_created(self) -> dict[str, float]:
         seen = self.catalog.known_created()

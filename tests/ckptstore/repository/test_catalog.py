@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -133,3 +135,87 @@ def test_a_damaged_or_forged_hint_is_ignored(damage, monkeypatch):
     else:
         assert history == ["a", "b", "c", "d"]
         assert len(store.head_reads) == 4  # every head read again
+
+
+class _SlowManifestStore(MemoryStore):
+    """A memory store whose whole-manifest reads take a while (a remote store's round
+    trip): it records how many were in flight at once and which were read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.read: list[str] = []
+        self.slow = False
+        self._count = threading.Lock()
+
+    def get(self, key: str) -> bytes:
+        if not (self.slow and key.startswith("checkpoints/")):
+            return super().get(key)
+        with self._count:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            self.read.append(key)
+        try:
+            time.sleep(0.01)
+            return super().get(key)
+        finally:
+            with self._count:
+                self.in_flight -= 1
+
+
+def _history(count: int) -> tuple[_SlowManifestStore, list[str]]:
+    store = _SlowManifestStore()
+    with CheckpointStore(store) as repo:
+        for i in range(count):
+            repo.save(f"s{i:02d}", {"w": torch.full((4,), float(i))}, metadata={"i": i})
+    store.slow = True
+    return store, [f"s{i:02d}" for i in range(count)]
+
+
+def test_a_pass_over_every_manifest_reads_them_side_by_side_in_order():
+    store, names = _history(20)
+    infos = CheckpointStore(store).list()  # a fresh process: nothing cached
+    assert [i.name for i in infos] == names
+    assert [i.metadata["i"] for i in infos] == list(range(20))
+    assert 1 < store.most_in_flight <= catalog_module.MANIFEST_READ_AHEAD
+    assert sorted(store.read) == sorted(f"checkpoints/{n}.json" for n in names)
+    store.read.clear()
+    problems: list = []
+    scanned = [m.name for m in CheckpointStore(store).each_manifest(problems)]
+    assert scanned == names and problems == []
+    assert len(store.read) == 20  # each manifest once
+
+
+def test_a_pass_skips_what_it_cannot_read_and_keeps_going(caplog):
+    store, names = _history(12)
+    store.put("checkpoints/s05.json", b"{torn")  # damaged in the middle of the pass
+    store.delete("checkpoints/s08.json")  # deleted after the listing would have seen it
+    with caplog.at_level("WARNING", logger="ckptstore"):
+        listed = [i.name for i in CheckpointStore(store).list()]
+    assert listed == [n for n in names if n not in ("s05", "s08")]
+    assert "skipping unreadable manifest" in caplog.text and "s05" in caplog.text
+    problems: list = []
+    scanned = [m.name for m in CheckpointStore(store).each_manifest(problems)]
+    assert scanned == listed
+    assert [p.key for p in problems] == ["checkpoints/s05.json"]
+
+
+def test_a_manifest_larger_than_the_read_ahead_is_read_in_its_turn(monkeypatch):
+    store, names = _history(10)
+    monkeypatch.setattr(catalog_module, "READ_AHEAD_MANIFEST_BYTES", 10)  # all of them
+    infos = CheckpointStore(store).list()
+    assert [i.name for i in infos] == names
+    assert store.most_in_flight == 1  # each read when the pass reached it
+    assert len(store.read) == 10
+
+
+def test_a_pass_stopped_early_leaves_no_read_running():
+    store, names = _history(20)
+    before = threading.active_count()
+    problems: list = []
+    scan = CheckpointStore(store).each_manifest(problems)
+    assert next(scan).name == names[0]
+    scan.close()
+    assert threading.active_count() == before and store.in_flight == 0
+    assert len(store.read) <= 1 + catalog_module.MANIFEST_READ_AHEAD
