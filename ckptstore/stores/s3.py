@@ -39,7 +39,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -140,6 +140,12 @@ def _new_client(endpoint_url: str | None, region_name: str | None, config: Confi
 
 
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+#: DeleteObjects answered with one of these: the server does not take batch deletes (or the
+#: checksum botocore sends with them); single deletes are used instead
+_BATCH_REFUSED_CODES = frozenset({"NotImplemented", "MissingContentMD5", "InvalidRequest",
+                                  "MethodNotAllowed", "XNotImplemented", "501", "405"})
+DELETE_BATCH = 1000  # S3's most keys per DeleteObjects request
+DELETE_THREADS = 8
 _EXISTS_CODES = frozenset({"PreconditionFailed", "412"})
 _CONFLICT_CODES = frozenset({"ConditionalRequestConflict", "409"})
 _DENIED_CODES = frozenset(
@@ -207,6 +213,10 @@ def _scrub_chain(exc: BaseException) -> None:
         seen.add(id(node))
         node.args = tuple(redact_text(a) if isinstance(a, str) else a for a in node.args)
         node = node.__cause__ or node.__context__
+
+
+class _BatchRefused(Exception):
+    """The server refused a DeleteObjects request as such (not one of its objects)."""
 
 
 def _error_code(exc: ClientError) -> tuple[str, int | None]:
@@ -298,6 +308,8 @@ class S3Store(Store):
 
     #: keys per ListObjectsV2 page (None: the server's default, 1000 on S3); tests lower it
     _list_page_size: int | None = None
+    #: whether DeleteObjects may be tried (cleared once the server refused it)
+    _batch_deletes: bool = True
 
     def __init__(
         self,
@@ -815,6 +827,61 @@ class S3Store(Store):
 
     def delete(self, key: str) -> None:
         self._call("delete", key, self._client.delete_object, Key=self._key(key))
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Up to DELETE_BATCH keys per DeleteObjects request. A server that refuses that
+        request (some S3 servers lack it, or want a checksum botocore does not send them)
+        gets single deletes instead, DELETE_THREADS at a time, for the rest of this store's
+        life. On an error the others are still tried, then the first error is raised."""
+        todo = list(dict.fromkeys(keys))
+        first: BaseException | None = None
+        for i in range(0, len(todo), DELETE_BATCH):
+            batch = todo[i:i + DELETE_BATCH]
+            try:
+                if self._batch_deletes and len(batch) > 1:
+                    try:
+                        self._delete_batch(batch)
+                        continue
+                    except _BatchRefused as exc:
+                        logger.info("%s: DeleteObjects refused (%s): deleting one object "
+                                    "per request", self.uri, exc)
+                        self._batch_deletes = False
+                self._delete_each(batch)
+            except StoreError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _delete_batch(self, keys: list[str]) -> None:
+        """One DeleteObjects request; StoreError naming the keys it did not delete."""
+        objects = [{"Key": self._key(k)} for k in keys]
+        try:
+            reply = self._call("delete", None, self._client.delete_objects,
+                               Delete={"Objects": objects, "Quiet": True})
+        except StoreError as exc:
+            cause = exc.__cause__
+            code = _error_code(cause)[0] if isinstance(cause, ClientError) else ""
+            if code in _BATCH_REFUSED_CODES:
+                raise _BatchRefused(code) from None
+            raise
+        failed = [e for e in reply.get("Errors", ()) if e.get("Code") not in _NOT_FOUND_CODES]
+        if failed:
+            base = f"{self.prefix}/" if self.prefix else ""
+            e = failed[0]
+            key = str(e.get("Key", ""))[len(base):]
+            code, message = e.get("Code", "?"), redact_text(str(e.get("Message", "")))
+            raise StoreError(f"delete {self._where(key)}: S3 error {code} ({message}); "
+                             f"{len(failed)} of {len(keys)} objects of the request were not "
+                             "deleted")
+
+    def _delete_each(self, keys: list[str]) -> None:
+        """`delete` of every key, DELETE_THREADS at a time; the first error once all ran."""
+        with cf.ThreadPoolExecutor(min(DELETE_THREADS, len(keys)) or 1,
+                                   thread_name_prefix="ckptstore-delete") as pool:
+            errors = [f.exception() for f in [pool.submit(self.delete, k) for k in keys]]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     # -- metadata ------------------------------------------------------------------------
     def _head(self, key: str, full: str) -> dict[str, Any]:

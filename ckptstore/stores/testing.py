@@ -167,6 +167,19 @@ class StoreTests:
         assert not store.exists("l/x/1")
         assert sorted(i.key for i in store.list("l/")) == ["l/x/22", "l/y/333"]
 
+    def test_delete_many_deletes_every_key_given_and_no_other(self, store: Store) -> None:
+        keys = [f"m/{i % 7}/k{i}" for i in range(40)]
+        for key in keys:
+            store.put(key, key.encode())
+        doomed = keys[::2]
+        # a generator, with a missing key and a repeated one among them
+        store.delete_many(k for k in [*doomed, "m/none/k0", doomed[0]])
+        assert sorted(i.key for i in store.list("m/")) == sorted(keys[1::2])
+        assert all(store.get(k) == k.encode() for k in keys[1::2])
+        store.delete_many([])
+        store.delete_many(keys[1::2])
+        assert list(store.list("m/")) == []
+
 
     @pytest.mark.parametrize(
         "bad", ["", "/abs", "../escape", "a/../../b", "a//b", "a/./b", "a\\b", "a b", "é"]

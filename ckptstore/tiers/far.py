@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from ..errors import (
@@ -175,6 +175,10 @@ class FarTier(Store):
 
     def delete(self, key: str) -> None:
         self._call(lambda s: s.delete(key))
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        todo = list(keys)
+        self._call(lambda s: s.delete_many(todo))
 
     def sync(self) -> None:
         self._call(lambda s: s.sync())

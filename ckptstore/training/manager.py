@@ -365,8 +365,8 @@ class CheckpointManager:
                                   f"blobs: {exc}; `ckpt gc` collects them once it is fixed",
                                   RuntimeWarning, stacklevel=2)
                     return
-                for blob in self._doomed[i] - still_used:
-                    tier.store.delete(blob_key(blob))
+                tier.store.delete_many(blob_key(blob)
+                                       for blob in sorted(self._doomed[i] - still_used))
                 tier.store.sync()
                 self._doomed[i] = set()
         except LeaseBusyError:

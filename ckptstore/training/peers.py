@@ -174,8 +174,7 @@ class PeerReplicas:
                 still = copy.referenced_blobs()
             except CkptStoreError:  # an unreadable manifest could use any blob: keep them
                 return
-            for blob in doomed - still:
-                copy.store.delete(blob_key(blob))
+            copy.store.delete_many(blob_key(blob) for blob in sorted(doomed - still))
             copy.store.sync()
 
     # ------------------------------------------------------------------ restore side

@@ -150,8 +150,7 @@ def test_read_ahead_raises_an_error_where_it_is_reached_and_cancels_the_rest() -
     seen = []
     before = threading.active_count()
     with pytest.raises(OSError, match="fetch 5 failed"):
-        for got in read_ahead(fetches.calls, workers=3):
-            seen.append(got)
+        seen.extend(read_ahead(fetches.calls, workers=3))
     assert seen == [0, 10, 20, 30, 40]  # every result before the failed one was handed out
     assert len(fetches.started) < 40  # the later ones were cancelled
     assert fetches.running == 0 and threading.active_count() == before

@@ -10,6 +10,7 @@ Faults come from two places, both outside the store under test:
 from __future__ import annotations
 
 import array
+import concurrent.futures as cf
 import logging
 import socket
 import threading
@@ -21,7 +22,7 @@ from typing import Any
 
 import boto3
 import pytest
-from botocore.exceptions import ConnectionClosedError
+from botocore.exceptions import ClientError, ConnectionClosedError
 
 from ckptstore.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
 from ckptstore.format.hashing import digest
@@ -709,3 +710,66 @@ def test_protocol_errors_that_escape_botocore_are_retried_then_mapped(
     failures["left"] = 100
     with pytest.raises(StoreError, match="ProtocolError"):
         store.get("k")
+
+
+def test_delete_many_sends_a_thousand_keys_per_request(s3_any_uri: str, s3_endpoint: str
+                                                       ) -> None:
+    store = S3Store.from_uri(s3_any_uri, endpoint_url=s3_endpoint)
+    keys = [f"blobs/{i % 16:02x}/{i:06d}" for i in range(2100)]
+    with cf.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: store.put(k, b"x"), keys))
+    batches: list[int] = []
+    singles: list[int] = []
+    store.client.meta.events.register(
+        "before-send.s3.DeleteObjects", lambda request, **kw: batches.append(1))
+    store.client.meta.events.register(
+        "before-send.s3.DeleteObject", lambda request, **kw: singles.append(1))
+    store.delete_many([*keys[:2050], "blobs/none/k"])
+    assert sorted(i.key for i in store.list("blobs/")) == sorted(keys[2050:])
+    assert len(batches) == 3 and not singles
+    store.close()
+
+
+def test_delete_many_falls_back_to_single_deletes_where_the_server_refuses_batches(
+        s3_uri: str, moto_endpoint: str, caplog: pytest.LogCaptureFixture) -> None:
+    store = S3Store.from_uri(s3_uri, endpoint_url=moto_endpoint)
+    keys = [f"k/{i}" for i in range(30)]
+    for key in keys:
+        store.put(key, b"x")
+    tried: list[int] = []
+
+    def refuse(**kwargs: Any) -> Any:
+        tried.append(1)
+        raise ClientError({"Error": {"Code": "NotImplemented", "Message": "no batches"},
+                           "ResponseMetadata": {"HTTPStatusCode": 501}}, "DeleteObjects")
+
+    store._client.delete_objects = refuse  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="ckptstore"):
+        store.delete_many(keys[:20])
+    assert sorted(i.key for i in store.list("k/")) == sorted(keys[20:])
+    assert "DeleteObjects refused (NotImplemented)" in caplog.text
+    store.delete_many(keys[20:])  # not asked again
+    assert tried == [1] and list(store.list("k/")) == []
+    store.close()
+
+
+def test_delete_many_names_an_object_the_server_would_not_delete(s3_uri: str,
+                                                                 moto_endpoint: str) -> None:
+    store = S3Store.from_uri(s3_uri, endpoint_url=moto_endpoint)
+    keys = [f"k/{i:04d}" for i in range(1500)]
+    real = store._client.delete_objects
+    calls: list[int] = []
+
+    def partly(**kwargs: Any) -> Any:
+        calls.append(len(kwargs["Delete"]["Objects"]))
+        reply = real(**kwargs)
+        if len(calls) == 1:  # the first request: one object refused, as S3 reports it
+            refused = kwargs["Delete"]["Objects"][7]["Key"]
+            reply["Errors"] = [{"Key": refused, "Code": "AccessDenied", "Message": "Denied"}]
+        return reply
+
+    store._client.delete_objects = partly  # type: ignore[method-assign]
+    with pytest.raises(StoreError, match=r"k/0007: S3 error AccessDenied .*1 of 1000 objects"):
+        store.delete_many(keys)
+    assert calls == [1000, 500]  # the other request was still made
+    store.close()
