@@ -579,6 +579,27 @@ def _fields(rec: Any, i: int) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
             (grad, param, storage, None if grid is None else tuple(grid)), n)
 
 
+def _given(entries: list[TensorEntry]) -> list[TensorEntry]:
+    return entries
+
+
+def _outcome(fetch: Callable[[SegmentRef], bytes], ref: SegmentRef) -> Callable[[], bytes]:
+    """`fetch(ref)` now, as a call giving its bytes or raising its error when made."""
+    try:
+        data = fetch(ref)
+    except Exception as exc:  # noqa: BLE001 - raised by the access that needs the segment
+        return functools.partial(_raise, exc)
+    return functools.partial(_given_bytes, data)
+
+
+def _given_bytes(data: bytes) -> bytes:
+    return data
+
+
+def _raise(exc: Exception) -> bytes:
+    raise exc
+
+
 #: Gives the bytes of an index blob (a segment, or the state tree), already matched to its
 #: digest and size (FormatError if it cannot: layout.segments_in).
 SegmentSource = Callable[[IndexBlob], bytes]
@@ -643,10 +664,23 @@ class SegmentedEntries(Sequence[TensorEntry]):
         got = self._parsed.get(s)
         if got is not None:
             return got
-        ref = self.refs[s]
-        data = self._bytes(ref)
+        return self._decoded(s, self._bytes(self.refs[s]))
+
+    def read_segments(self) -> Iterator[tuple[int, Callable[[], list[TensorEntry]]]]:
+        """(s, `read`) for every segment in order, `read()` giving what `read_segment(s)`
+        gives or raising what it raises: for a pass that reports a segment it cannot read
+        and goes on (verify). The next segments' bytes are read meanwhile (`_each_segment`)."""
+        for s, got, data in self._each_segment():
+            yield s, (functools.partial(_given, got) if data is None else
+                      functools.partial(self._decoded_when_read, s, data))
+
+    def _decoded_when_read(self, s: int, data: Callable[[], bytes]) -> list[TensorEntry]:
+        return self._decoded(s, data())
+
+    def _decoded(self, s: int, data: bytes) -> list[TensorEntry]:
+        """Segment `s` decoded from its bytes, not kept."""
         with paused_collector():
-            return decode(data, ref, self._where, self._source)
+            return decode(data, self.refs[s], self._where, self._source)
 
     def _bytes(self, ref: SegmentRef) -> bytes:
         if self._source is None:
@@ -658,7 +692,7 @@ class SegmentedEntries(Sequence[TensorEntry]):
         """Each segment in order: its entries where already parsed, else its chunk columns
         straight from its bytes (not kept, no entries built; see `chunk_columns`)."""
         for s, got, data in self._each_segment():
-            yield got if data is None else chunk_columns(data, self.refs[s], self._where,
+            yield got if data is None else chunk_columns(data(), self.refs[s], self._where,
                                                          self._source)
 
     def chunk_tables(self) -> Iterator[ChunkTable]:
@@ -671,15 +705,17 @@ class SegmentedEntries(Sequence[TensorEntry]):
                 table = ChunkTable.of(got)
                 yield table if shared is None else replace(table, parts=shared.refs)
             else:
-                yield chunk_table(data, self.refs[s], self._where, self._source)
+                yield chunk_table(data(), self.refs[s], self._where, self._source)
 
-    def _each_segment(self) -> Iterator[tuple[int, list[TensorEntry], bytes | None]]:
-        """(s, entries, None) for each segment already parsed and (s, [], its bytes) for the
-        others, in order. A pass over every segment (an incremental save learning its
-        parent's chunks, space accounting, gc) reads them SEGMENT_READ_AHEAD at a time, so
-        a store's round trips overlap, holding no more than that many segments' bytes."""
+    def _each_segment(self) -> Iterator[tuple[int, list[TensorEntry],
+                                              Callable[[], bytes] | None]]:
+        """(s, entries, None) for each segment already parsed and (s, [], `data`) for the
+        others, in order, `data()` giving its bytes or raising why they cannot be read. A
+        pass over every segment (an incremental save learning its parent's chunks, space
+        accounting, gc, verify) reads them SEGMENT_READ_AHEAD at a time, so a store's round
+        trips overlap, holding no more than that many segments' bytes."""
         known = [self._parsed.get(s) for s in range(len(self.refs))]
-        with closing(read_ahead([functools.partial(self._bytes, self.refs[s])
+        with closing(read_ahead([functools.partial(_outcome, self._bytes, self.refs[s])
                                  for s, got in enumerate(known) if got is None],
                                 SEGMENT_READ_AHEAD)) as fetched:
             for s, got in enumerate(known):

@@ -13,7 +13,6 @@ that cannot be parsed stops gc: nothing is deleted when what it references is un
 from __future__ import annotations
 
 import concurrent.futures as cf
-import functools
 import random
 import time
 from collections import defaultdict
@@ -194,9 +193,8 @@ def _readable_entries(store: Store, m: Manifest, report: VerifyReport
     if tree is not None:
         for page, read in page_loads(tree):
             _index_blob(store, m, report, page, read, "(state tree page)")
-    for s, ref in enumerate(entries.refs):
-        got = _index_blob(store, m, report, ref, functools.partial(entries.read_segment, s),
-                          "(index segment)")
+    for s, read in entries.read_segments():
+        got = _index_blob(store, m, report, entries.refs[s], read, "(index segment)")
         if got is None:
             continue
         shared = segment_parts(got)  # a parted segment: each part checked as a blob too

@@ -460,11 +460,10 @@ class SingleStore(CheckpointStore, kind="single"):
         """The blobs of every checkpoint not in `seen` (its names are added to it), one
         parsed manifest at a time (not cached)."""
         refs: set[str] = set()
-        for name in self.names():
-            if name in seen:
-                continue
+        for name, manifest_of in self.catalog.in_turn([n for n in self.names()
+                                                       if n not in seen]):
             try:
-                refs |= self.catalog.manifest(name, cache=False).blob_digests()
+                refs |= manifest_of(name).blob_digests()
             except CheckpointNotFoundError:
                 continue  # deleted meanwhile: its blobs may go
             except CkptStoreError as exc:

@@ -175,6 +175,9 @@ class _SlowReadStore(MemoryStore):
         self.reads = 0
         self._count = threading.Lock()
 
+    def exists(self, key):
+        return key not in self.missing and super().exists(key)
+
     def get(self, key):
         if key in self.missing:
             raise ObjectNotFoundError(f"no object {key!r}")
@@ -252,3 +255,18 @@ def test_a_missing_tree_page_fails_the_load_naming_it():
         CheckpointStore(store).load("a")
     store.missing = set()  # the page is back: nothing of the failure was kept
     assert_same(CheckpointStore(store).load("a"), state)
+
+
+def test_verify_reads_segments_side_by_side_and_reports_the_one_it_cannot_read():
+    store = _SlowReadStore(f"verify-{os.getpid()}")
+    state = small_state(8)
+    CheckpointStore(store).save("a", state)
+    segments = CheckpointStore(store).manifest("a").segment_refs()
+    store.slow_keys = {blob_key(r.digest) for r in segments}
+    lost = segments[len(segments) // 2]
+    store.missing = {blob_key(lost.digest)}
+    report = CheckpointStore(store).verify("a")
+    assert [(p.blob, p.problem) for p in report.problems] == [(lost.digest, "missing")]
+    assert store.reads == len(segments) - 1 and store.most_in_flight > 1
+    # every other segment's tensors had their chunks checked
+    assert report.bytes_checked >= sum(t.nbytes for t in state.values()) - lost.nbytes
