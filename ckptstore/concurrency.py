@@ -3,11 +3,13 @@ error every job not yet started is cancelled before the error propagates), `Turn
 many threads of a save beside training may use a core at once), `run_concurrently` (calls
 whose errors their later users raise), `fetch_concurrently` (the same for fetches whose
 results the calling thread uses), `read_ahead` (results used in order while the next ones
-are fetched) and `OnceEach` (a value computed once per key, keys concurrently)."""
+are fetched; `outcome` keeps a fetch's error for its use) and `OnceEach` (a value
+computed once per key, keys concurrently)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import itertools
 import threading
 from collections import deque
@@ -207,6 +209,25 @@ def read_ahead(fetches: Sequence[Callable[[], T]], workers: int) -> Generator[T,
             yield result
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def outcome(call: Callable[[], T]) -> Callable[[], T]:
+    """Run `call` now, and return a call that gives what it gave or raises what it raised:
+    for a read-ahead whose failures belong to the access that needs the result, not to the
+    whole pass (`read_ahead` itself stops at the first error)."""
+    try:
+        result = call()
+    except Exception as exc:  # noqa: BLE001 - raised by the caller's access
+        return functools.partial(_raise, exc)
+    return functools.partial(_given, result)
+
+
+def _given(result: T) -> T:
+    return result
+
+
+def _raise(exc: Exception) -> Any:
+    raise exc
 
 
 class OnceEach(Generic[K, V]):

@@ -28,7 +28,7 @@ from typing import Any, overload
 import numpy as np
 
 from ..collector import paused_collector
-from ..concurrency import OnceEach, fetch_concurrently, read_ahead, run_concurrently
+from ..concurrency import OnceEach, fetch_concurrently, outcome, read_ahead, run_concurrently
 from ..errors import FormatError
 from .codecs import Codec, parse_codec
 from .dtypes import DTYPES
@@ -583,23 +583,6 @@ def _given(entries: list[TensorEntry]) -> list[TensorEntry]:
     return entries
 
 
-def _outcome(fetch: Callable[[SegmentRef], bytes], ref: SegmentRef) -> Callable[[], bytes]:
-    """`fetch(ref)` now, as a call giving its bytes or raising its error when made."""
-    try:
-        data = fetch(ref)
-    except Exception as exc:  # noqa: BLE001 - raised by the access that needs the segment
-        return functools.partial(_raise, exc)
-    return functools.partial(_given_bytes, data)
-
-
-def _given_bytes(data: bytes) -> bytes:
-    return data
-
-
-def _raise(exc: Exception) -> bytes:
-    raise exc
-
-
 #: Gives the bytes of an index blob (a segment, or the state tree), already matched to its
 #: digest and size (FormatError if it cannot: layout.segments_in).
 SegmentSource = Callable[[IndexBlob], bytes]
@@ -715,7 +698,8 @@ class SegmentedEntries(Sequence[TensorEntry]):
         accounting, gc, verify) reads them SEGMENT_READ_AHEAD at a time, so a store's round
         trips overlap, holding no more than that many segments' bytes."""
         known = [self._parsed.get(s) for s in range(len(self.refs))]
-        with closing(read_ahead([functools.partial(_outcome, self._bytes, self.refs[s])
+        with closing(read_ahead([functools.partial(outcome, functools.partial(
+                                     self._bytes, self.refs[s]))
                                  for s, got in enumerate(known) if got is None],
                                 SEGMENT_READ_AHEAD)) as fetched:
             for s, got in enumerate(known):

@@ -27,14 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 
-from ..concurrency import read_ahead
-from ..errors import (
-    CheckpointNotFoundError,
-    CkptStoreError,
-    FormatError,
-    ObjectNotFoundError,
-    StoreError,
-)
+from ..concurrency import outcome, read_ahead
+from ..errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError, StoreError
 from ..format.hashing import HashAlgorithm
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..format.manifest_parse import parse_manifest
@@ -162,20 +156,14 @@ class Catalog:
         with self._lock:
             cached = {n: m for n in names if (m := self._manifests.get(n)) is not None}
 
-        def fetch(name: str) -> bytes | None | CkptStoreError:
-            try:
-                return self._fetch_at_most(name, READ_AHEAD_MANIFEST_BYTES)
-            except (CheckpointNotFoundError, FormatError) as exc:
-                return exc  # raised by the call of its turn, not by the pass
-
-        def parsed(raw: bytes | None | CkptStoreError, name: str) -> Manifest:
-            if isinstance(raw, CkptStoreError):
-                raise raw
+        def parsed(fetched: Callable[[], bytes | None], name: str) -> Manifest:
+            raw = fetched()  # raises what reading it raised
             return self._parse(name, raw if raw is not None else self._fetch(name))
 
         todo = [n for n in names if n not in cached]
-        with closing(read_ahead([functools.partial(fetch, n) for n in todo],
-                                MANIFEST_READ_AHEAD)) as fetched:
+        with closing(read_ahead([functools.partial(outcome, functools.partial(
+                                     self._fetch_at_most, n, READ_AHEAD_MANIFEST_BYTES))
+                                 for n in todo], MANIFEST_READ_AHEAD)) as fetched:
             for name in names:
                 got = cached.get(name)
                 if got is not None:

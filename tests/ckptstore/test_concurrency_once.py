@@ -14,7 +14,13 @@ import time
 
 import pytest
 
-from ckptstore.concurrency import OnceEach, fetch_concurrently, read_ahead, run_concurrently
+from ckptstore.concurrency import (
+    OnceEach,
+    fetch_concurrently,
+    outcome,
+    read_ahead,
+    run_concurrently,
+)
 
 
 def test_each_key_is_computed_once_and_different_keys_at_the_same_time() -> None:
@@ -170,3 +176,22 @@ def test_read_ahead_of_one_worker_runs_on_the_calling_thread() -> None:
     fetches = _Fetches(3)
     assert list(read_ahead(fetches.calls, workers=1)) == [0, 10, 20]
     assert fetches.threads == {threading.get_ident()} and fetches.most == 1
+
+
+def test_an_outcome_gives_the_result_or_raises_the_error_when_used() -> None:
+    calls: list[int] = []
+
+    def fine() -> int:
+        calls.append(1)
+        return 7
+
+    def broken() -> int:
+        calls.append(2)
+        raise OSError("no such object")
+
+    ok, bad = outcome(fine), outcome(broken)
+    assert calls == [1, 2]  # both ran at once
+    assert ok() == 7 and ok() == 7
+    with pytest.raises(OSError, match="no such object"):
+        bad()
+    assert calls == [1, 2]  # neither ran again
