@@ -603,8 +603,9 @@ class CheckpointWriter:
         """Put the index blobs the store is not known to hold (like data, an index blob the
         store holds is reused), side by side through one deferred batch: a save of many
         small tensors has hundreds of segments and tree pages, and a durable put (an fsync,
-        or a round trip) after another cost it more than its data. Every one is durable when
-        this returns; on an error none that was not yet is made visible."""
+        or a round trip) after another cost it more than its data. A save beside training
+        puts them within its turns, as its data. Every one is durable when this returns; on
+        an error none that was not yet is made visible."""
         new = [(ref.digest, data) for ref, data in index
                if ref.digest not in self.known.index_blobs]
         if not new:
@@ -612,16 +613,20 @@ class CheckpointWriter:
         with self._claim_lock:
             self._claimed.update(digest for digest, _data in new)
         batch = self.store.deferred()
+
+        def put(digest: str, data: bytes) -> None:  # a save beside training: in its turns
+            with self._turn(), self.turns.io() if self.turns is not None else nullcontext():
+                batch.put(blob_key(digest), data)
+
         try:
             workers = min(METADATA_THREADS, self.options.threads(), len(new))
             if workers <= 1:
                 for digest, data in new:
-                    batch.put(blob_key(digest), data)
+                    put(digest, data)
             else:
                 with cf.ThreadPoolExecutor(workers,
                                            thread_name_prefix="ckpt-index") as pool:
-                    for done in [pool.submit(batch.put, blob_key(digest), data)
-                                 for digest, data in new]:
+                    for done in [pool.submit(put, digest, data) for digest, data in new]:
                         done.result()
         except BaseException:
             batch.abandon()

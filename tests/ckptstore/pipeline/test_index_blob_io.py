@@ -270,3 +270,21 @@ def test_verify_reads_segments_side_by_side_and_reports_the_one_it_cannot_read()
     assert store.reads == len(segments) - 1 and store.most_in_flight > 1
     # every other segment's tensors had their chunks checked
     assert report.bytes_checked >= sum(t.nbytes for t in state.values()) - lost.nbytes
+
+
+def test_a_save_beside_training_puts_its_index_blobs_within_its_turns():
+    """A background save takes one core from training (concurrency.Turns): its commit's
+    index puts wait for their turn like its data writes, one at a time by default."""
+    first = CheckpointStore(MemoryStore(f"learn-bg-{os.getpid()}"))
+    state = small_state(9)
+    first.save("a", state)
+    store = _SlowIndexStore(f"slow-bg-{os.getpid()}")
+    store.index_keys = {blob_key(d) for d in index_digests(first, "a")}
+    repo = CheckpointStore(store)
+    handle = repo.save_async("a", state)
+    while not handle.done():  # the trainer goes on: it lends the save no core
+        time.sleep(0.01)
+    handle.wait()
+    assert sorted(store.index_puts) == sorted(store.index_keys)
+    assert store.most_in_flight == 1
+    assert_same(repo.load("a"), state)
