@@ -230,7 +230,7 @@ def test_a_missing_segment_fails_the_incremental_save_that_reads_it():
 
 def test_a_whole_load_reads_the_tree_pages_side_by_side_and_a_partial_one_few():
     store = _SlowReadStore(f"pages-{os.getpid()}")
-    state = small_state(6, n=6000)  # one dict of 6,000 keys: 12 pages of 512
+    state = small_state(6, n=4300)  # one dict of 4,300 keys: 9 pages of 512
     CheckpointStore(store).save("a", state)
     pages = CheckpointStore(store).manifest("a").tree_page_refs()
     assert len(pages) >= 8
@@ -246,7 +246,7 @@ def test_a_whole_load_reads_the_tree_pages_side_by_side_and_a_partial_one_few():
 
 def test_a_missing_tree_page_fails_the_load_naming_it():
     store = _SlowReadStore(f"page-missing-{os.getpid()}")
-    state = small_state(7, n=6000)
+    state = small_state(7, n=4300)
     CheckpointStore(store).save("a", state)
     pages = CheckpointStore(store).manifest("a").tree_page_refs()
     lost = pages[len(pages) // 2].digest

@@ -27,6 +27,7 @@ from botocore.exceptions import ClientError, ConnectionClosedError
 from ckptstore.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
 from ckptstore.format.hashing import digest
 from ckptstore.stores import open_store
+from ckptstore.stores import s3 as s3_module
 from ckptstore.stores.s3 import MiB, S3Store
 
 # -- a fault-injecting front for the moto backend -------------------------------------------
@@ -712,10 +713,12 @@ def test_protocol_errors_that_escape_botocore_are_retried_then_mapped(
         store.get("k")
 
 
-def test_delete_many_sends_a_thousand_keys_per_request(s3_any_uri: str, s3_endpoint: str
-                                                       ) -> None:
+def test_delete_many_sends_many_keys_per_request(s3_any_uri: str, s3_endpoint: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # S3 takes 1,000 keys per DeleteObjects (s3.DELETE_BATCH); 100 here keeps the test short
+    monkeypatch.setattr(s3_module, "DELETE_BATCH", 100)
     store = S3Store.from_uri(s3_any_uri, endpoint_url=s3_endpoint)
-    keys = [f"blobs/{i % 16:02x}/{i:06d}" for i in range(2100)]
+    keys = [f"blobs/{i % 16:02x}/{i:06d}" for i in range(260)]
     with cf.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda k: store.put(k, b"x"), keys))
     batches: list[int] = []
@@ -724,8 +727,8 @@ def test_delete_many_sends_a_thousand_keys_per_request(s3_any_uri: str, s3_endpo
         "before-send.s3.DeleteObjects", lambda request, **kw: batches.append(1))
     store.client.meta.events.register(
         "before-send.s3.DeleteObject", lambda request, **kw: singles.append(1))
-    store.delete_many([*keys[:2050], "blobs/none/k"])
-    assert sorted(i.key for i in store.list("blobs/")) == sorted(keys[2050:])
+    store.delete_many([*keys[:250], "blobs/none/k"])
+    assert sorted(i.key for i in store.list("blobs/")) == sorted(keys[250:])
     assert len(batches) == 3 and not singles
     store.close()
 
@@ -753,10 +756,11 @@ def test_delete_many_falls_back_to_single_deletes_where_the_server_refuses_batch
     store.close()
 
 
-def test_delete_many_names_an_object_the_server_would_not_delete(s3_uri: str,
-                                                                 moto_endpoint: str) -> None:
+def test_delete_many_names_an_object_the_server_would_not_delete(
+        s3_uri: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     store = S3Store.from_uri(s3_uri, endpoint_url=moto_endpoint)
-    keys = [f"k/{i:04d}" for i in range(1500)]
+    monkeypatch.setattr(s3_module, "DELETE_BATCH", 100)
+    keys = [f"k/{i:04d}" for i in range(150)]
     real = store._client.delete_objects
     calls: list[int] = []
 
@@ -769,7 +773,7 @@ def test_delete_many_names_an_object_the_server_would_not_delete(s3_uri: str,
         return reply
 
     store._client.delete_objects = partly  # type: ignore[method-assign]
-    with pytest.raises(StoreError, match=r"k/0007: S3 error AccessDenied .*1 of 1000 objects"):
+    with pytest.raises(StoreError, match=r"k/0007: S3 error AccessDenied .*1 of 100 objects"):
         store.delete_many(keys)
-    assert calls == [1000, 500]  # the other request was still made
+    assert calls == [100, 50]  # the other request was still made
     store.close()
