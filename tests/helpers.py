@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +181,33 @@ def valid_entry(key: str, shape: tuple[int, ...], rows: int,
     e = TensorEntry(key, "torch", f32, shape, rows, codec, tuple(chunks), chunk_shape=grid)
     assert entry_problem(e) is None, entry_problem(e)
     return e
+
+
+class InFlight:
+    """Calls counted while they run: how many at once (`now`, `most`) and the keys they were
+    for, in the order they started (`keys`). For stores that stand in for a remote one:
+    `with flight.call(key, 0.01): ...` waits that long first, as a round trip would."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+        self.keys: list[str] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def call(self, key: str, seconds: float) -> Iterator[None]:
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self.keys.append(key)
+        try:
+            time.sleep(seconds)
+            yield
+        finally:
+            with self._lock:
+                self.now -= 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.most = self.now
+            self.keys = []

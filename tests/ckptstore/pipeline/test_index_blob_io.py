@@ -26,7 +26,7 @@ from ckptstore.layout import blob_key
 from ckptstore.stores.base import DeferredPuts
 from ckptstore.stores.local import LocalStore
 from ckptstore.stores.memory import MemoryStore
-from tests.helpers import assert_same
+from tests.helpers import InFlight, assert_same
 
 TENSORS = 3000  # segmented (version 3): about a dozen segments and a few tree pages
 
@@ -41,30 +41,19 @@ def index_digests(repo: CheckpointStore, name: str) -> set[str]:
 
 
 class _SlowIndexStore(MemoryStore):
-    """A memory store whose puts of index blobs take a while, as a round trip to S3 does:
-    it records how many were in flight at once."""
+    """A memory store whose puts of `index_keys` take a while, as a round trip to S3 does:
+    `flight` counts them."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.index_keys: set[str] = set()
-        self.in_flight = 0
-        self.most_in_flight = 0
-        self.index_puts: list[str] = []
-        self._count = threading.Lock()
+        self.flight = InFlight()
 
     def put(self, key, data):
         if key not in self.index_keys:
             return super().put(key, data)
-        with self._count:
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-            self.index_puts.append(key)
-        try:
-            time.sleep(0.02)
+        with self.flight.call(key, 0.02):
             return super().put(key, data)
-        finally:
-            with self._count:
-                self.in_flight -= 1
 
 
 def test_index_blobs_are_put_side_by_side_and_reused_when_unchanged():
@@ -78,17 +67,17 @@ def test_index_blobs_are_put_side_by_side_and_reused_when_unchanged():
     store.index_keys = keys
     repo = CheckpointStore(store)
     repo.save("a", state)
-    assert sorted(store.index_puts) == sorted(keys)  # every one put, once
-    assert store.most_in_flight > 1
+    assert sorted(store.flight.keys) == sorted(keys)  # every one put, once
+    assert store.flight.most > 1
     assert_same(repo.load("a"), state)
     # one tensor changed: only the index blobs that changed are put again
-    store.index_puts.clear()
+    store.flight.reset()
     changed = dict(state)
     changed["blocks.0.p0"] = changed["blocks.0.p0"] + 1
     repo.save("b", changed)
     again = index_digests(repo, "b") & index_digests(repo, "a")
     assert again, "an unchanged segment must be reused"
-    assert not {blob_key(d) for d in again} & set(store.index_puts)
+    assert not {blob_key(d) for d in again} & set(store.flight.keys)
     assert_same(repo.load("b"), changed)
 
 
@@ -164,16 +153,13 @@ def _learn(state: dict[str, torch.Tensor], folder: Path) -> CheckpointStore:
 
 class _SlowReadStore(MemoryStore):
     """A memory store whose reads of `slow_keys` take a while (a remote store's round trip):
-    it records how many were in flight at once."""
+    `flight` counts them. `missing` keys are not there."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.slow_keys: set[str] = set()
         self.missing: set[str] = set()
-        self.in_flight = 0
-        self.most_in_flight = 0
-        self.reads = 0
-        self._count = threading.Lock()
+        self.flight = InFlight()
 
     def exists(self, key):
         return key not in self.missing and super().exists(key)
@@ -183,16 +169,8 @@ class _SlowReadStore(MemoryStore):
             raise ObjectNotFoundError(f"no object {key!r}")
         if key not in self.slow_keys:
             return super().get(key)
-        with self._count:
-            self.in_flight += 1
-            self.reads += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            time.sleep(0.01)
+        with self.flight.call(key, 0.01):
             return super().get(key)
-        finally:
-            with self._count:
-                self.in_flight -= 1
 
 
 def test_a_pass_over_every_segment_reads_them_side_by_side():
@@ -206,13 +184,13 @@ def test_a_pass_over_every_segment_reads_them_side_by_side():
     changed = dict(state)
     changed["blocks.3.p7"] = changed["blocks.3.p7"] * 2
     info = CheckpointStore(store).save("b", changed)
-    assert store.reads >= len(segments) and store.most_in_flight > 1
+    assert len(store.flight.keys) >= len(segments) and store.flight.most > 1
     assert info.written_bytes < info.logical_bytes / 10  # the parent's chunks were reused
     assert_same(CheckpointStore(store).load("b"), changed)
     # space accounting over a fresh process's view reads them the same way
-    store.reads = store.most_in_flight = 0
+    store.flight.reset()
     extents = CheckpointStore(store).manifest("a").blob_extents()
-    assert store.reads == len(segments) and store.most_in_flight > 1
+    assert len(store.flight.keys) == len(segments) and store.flight.most > 1
     assert {r.digest for r in segments} <= set(extents)
 
 
@@ -236,12 +214,12 @@ def test_a_whole_load_reads_the_tree_pages_side_by_side_and_a_partial_one_few():
     assert len(pages) >= 8
     store.slow_keys = {blob_key(r.digest) for r in pages}
     assert_same(CheckpointStore(store).load("a"), state)
-    assert store.reads == len(pages) and store.most_in_flight > 1
-    store.reads = store.most_in_flight = 0
+    assert len(store.flight.keys) == len(pages) and store.flight.most > 1
+    store.flight.reset()
     wanted = ["blocks.1.p3", "blocks.9.p99"]  # names sort far apart: first and last page
     got = CheckpointStore(store).load("a", keys=wanted)
     assert_same(got, {k: state[k] for k in wanted})
-    assert store.reads == 2  # the two pages whose names reach them
+    assert len(store.flight.keys) == 2  # the two pages whose names reach them
 
 
 def test_a_missing_tree_page_fails_the_load_naming_it():
@@ -267,7 +245,7 @@ def test_verify_reads_segments_side_by_side_and_reports_the_one_it_cannot_read()
     store.missing = {blob_key(lost.digest)}
     report = CheckpointStore(store).verify("a")
     assert [(p.blob, p.problem) for p in report.problems] == [(lost.digest, "missing")]
-    assert store.reads == len(segments) - 1 and store.most_in_flight > 1
+    assert len(store.flight.keys) == len(segments) - 1 and store.flight.most > 1
     # every other segment's tensors had their chunks checked
     assert report.bytes_checked >= sum(t.nbytes for t in state.values()) - lost.nbytes
 
@@ -285,6 +263,6 @@ def test_a_save_beside_training_puts_its_index_blobs_within_its_turns():
     while not handle.done():  # the trainer goes on: it lends the save no core
         time.sleep(0.01)
     handle.wait()
-    assert sorted(store.index_puts) == sorted(store.index_keys)
-    assert store.most_in_flight == 1
+    assert sorted(store.flight.keys) == sorted(store.index_keys)
+    assert store.flight.most == 1
     assert_same(repo.load("a"), state)

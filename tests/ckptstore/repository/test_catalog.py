@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import ckptstore.repository.order_hint as order_hint
 from ckptstore import CheckpointStore, FormatError, MemoryStore
 from ckptstore.format.canonical import canonical_json, seal
 from ckptstore.layout import ORDER_HINT_KEY
+from tests.helpers import InFlight
 
 
 class CountingStore(MemoryStore):
@@ -138,30 +138,19 @@ def test_a_damaged_or_forged_hint_is_ignored(damage, monkeypatch):
 
 
 class _SlowManifestStore(MemoryStore):
-    """A memory store whose whole-manifest reads take a while (a remote store's round
-    trip): it records how many were in flight at once and which were read."""
+    """A memory store whose whole-manifest reads take a while once `slow` is set (a remote
+    store's round trip): `flight` counts them."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.in_flight = 0
-        self.most_in_flight = 0
-        self.read: list[str] = []
         self.slow = False
-        self._count = threading.Lock()
+        self.flight = InFlight()
 
     def get(self, key: str) -> bytes:
         if not (self.slow and key.startswith("checkpoints/")):
             return super().get(key)
-        with self._count:
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-            self.read.append(key)
-        try:
-            time.sleep(0.01)
+        with self.flight.call(key, 0.01):
             return super().get(key)
-        finally:
-            with self._count:
-                self.in_flight -= 1
 
 
 def _history(count: int) -> tuple[_SlowManifestStore, list[str]]:
@@ -178,13 +167,13 @@ def test_a_pass_over_every_manifest_reads_them_side_by_side_in_order():
     infos = CheckpointStore(store).list()  # a fresh process: nothing cached
     assert [i.name for i in infos] == names
     assert [i.metadata["i"] for i in infos] == list(range(20))
-    assert 1 < store.most_in_flight <= catalog_module.MANIFEST_READ_AHEAD
-    assert sorted(store.read) == sorted(f"checkpoints/{n}.json" for n in names)
-    store.read.clear()
+    assert 1 < store.flight.most <= catalog_module.MANIFEST_READ_AHEAD
+    assert sorted(store.flight.keys) == sorted(f"checkpoints/{n}.json" for n in names)
+    store.flight.reset()
     problems: list = []
     scanned = [m.name for m in CheckpointStore(store).each_manifest(problems)]
     assert scanned == names and problems == []
-    assert len(store.read) == 20  # each manifest once
+    assert len(store.flight.keys) == 20  # each manifest once
 
 
 def test_a_pass_skips_what_it_cannot_read_and_keeps_going(caplog):
@@ -206,8 +195,8 @@ def test_a_manifest_larger_than_the_read_ahead_is_read_in_its_turn(monkeypatch):
     monkeypatch.setattr(catalog_module, "READ_AHEAD_MANIFEST_BYTES", 10)  # all of them
     infos = CheckpointStore(store).list()
     assert [i.name for i in infos] == names
-    assert store.most_in_flight == 1  # each read when the pass reached it
-    assert len(store.read) == 10
+    assert store.flight.most == 1  # each read when the pass reached it
+    assert len(store.flight.keys) == 10
 
 
 def test_a_pass_stopped_early_leaves_no_read_running():
@@ -217,5 +206,5 @@ def test_a_pass_stopped_early_leaves_no_read_running():
     scan = CheckpointStore(store).each_manifest(problems)
     assert next(scan).name == names[0]
     scan.close()
-    assert threading.active_count() == before and store.in_flight == 0
-    assert len(store.read) <= 1 + catalog_module.MANIFEST_READ_AHEAD
+    assert threading.active_count() == before and store.flight.now == 0
+    assert len(store.flight.keys) <= 1 + catalog_module.MANIFEST_READ_AHEAD
