@@ -117,14 +117,13 @@ def _files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize("fail_at", [1, 5])
-def test_a_failed_index_put_commits_nothing_and_leaves_no_index_blob(tmp_path: Path, fail_at):
+def test_a_failed_index_put_commits_nothing_and_leaves_no_index_blob(tmp_path: Path):
     store = _FailingIndexStore(str(tmp_path))
     repo = CheckpointStore(store)
     base = small_state(1)
     repo.save("base", base)
     before = _files(tmp_path)
-    store.fail_at = fail_at
+    store.fail_at = 5  # a put in the middle of the batch: others ran, some after it
     state = small_state(2)
     with pytest.raises(OSError, match="No space left"):
         repo.save("next", state)
