@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,10 +37,24 @@ def losses_of(lines: list[str]) -> dict[int, list[str]]:
     return out
 
 
-def run_until(run: Path, data: Path, kill_after: str | None) -> list[str]:
+def wait_committed(run: Path, name: str, timeout: float = 120.0) -> None:
+    """Wait until checkpoint `name` of the run is committed (read from the outside, as a
+    restarted process would find it)."""
+    import ckptstore
+
+    deadline = time.monotonic() + timeout
+    while name not in {c.name for c in ckptstore.CheckpointStore(run, create=False).list()}:
+        assert time.monotonic() < deadline, f"{name} was not committed within {timeout} s"
+        time.sleep(0.05)
+
+
+def run_until(run: Path, data: Path, kill_after: str | None,
+              committed: str | None = None) -> list[str]:
     """Run the script; SIGKILL it right after it prints `kill_after` (None: to the end). The
     script holds after printing that line, so the kill lands exactly there; after a `saving`
-    line its async save (about 90 MB) is still being written when the kill lands."""
+    line its async save (about 90 MB) is still being written when the kill lands. With
+    `committed`: the kill waits until that checkpoint is committed (an async save's commit
+    may trail the steps by more than a step on a loaded machine)."""
     proc = launch(run, data, kill_after)
     lines: list[str] = []
     assert proc.stdout is not None
@@ -47,6 +62,8 @@ def run_until(run: Path, data: Path, kill_after: str | None) -> list[str]:
         lines.append(line.strip())
         if kill_after is not None and (line.strip() == kill_after
                                        or line.startswith(kill_after + " ")):
+            if committed is not None:
+                wait_committed(run, committed)
             os.kill(proc.pid, signal.SIGKILL)
             break
     err = reap(proc, 120)
@@ -69,8 +86,9 @@ def test_sigkill_and_resume_is_bit_exact(tmp_path):
     seen: list[str] = []
     # mid-epoch between saves; right after an async save was handed off (its write is in
     # flight when the kill lands); just after a resume; then run to completion
-    for point in ["step 6", "saving 8", "step 13", "saving 20", None]:
-        lines = run_until(run, data, point)
+    for point, committed in [("step 6", "step-4"), ("saving 8", None), ("step 13", None),
+                             ("saving 20", None), (None, None)]:
+        lines = run_until(run, data, point, committed)
         assert lines[0].startswith("start "), lines[:3]
         seen += lines
     starts = [int(line.split()[1]) for line in seen if line.startswith("start ")]
