@@ -2,9 +2,10 @@
 error every job not yet started is cancelled before the error propagates), `Turns` (how
 many threads of a save beside training may use a core at once), `run_concurrently` (calls
 whose errors their later users raise), `fetch_concurrently` (the same for fetches whose
-results the calling thread uses), `read_ahead` (results used in order while the next ones
-are fetched; `outcome` keeps a fetch's error for its use) and `OnceEach` (a value
-computed once per key, keys concurrently)."""
+results the calling thread uses; `fetches_started` begins them before that use),
+`read_ahead` (results used in order while the next ones are fetched; `outcome` keeps a
+fetch's error for its use) and `OnceEach` (a value computed once per key, keys
+concurrently)."""
 
 from __future__ import annotations
 
@@ -171,18 +172,41 @@ def fetch_concurrently(fetches: dict[K, Callable[[], T]], use: Callable[[K, T], 
     that holds the interpreter would only take turns on threads, each slowing the others).
     Nothing is run where nothing can overlap (as `run_concurrently`). Errors of both are
     dropped, for the caller's later use to raise."""
+    with fetches_started(fetches, workers) as deliver:
+        deliver(use)
+
+
+@contextmanager
+def fetches_started(fetches: dict[K, Callable[[], T]], workers: int
+                    ) -> Iterator[Callable[[Callable[[K, T], Any]], None]]:
+    """`fetch_concurrently`, begun on entering the block so that the block's own work (other
+    reads) overlaps it: the block calls what this yields, `deliver(use)`, to hand each result
+    to `use` on the calling thread as it arrives (once; errors dropped as there). Leaving the
+    block cancels the fetches not started and waits for those running, delivered or not."""
     if len(fetches) <= 1 or workers <= 1:
+        yield _deliver_nothing
         return
-    with cf.ThreadPoolExecutor(min(workers, len(fetches)),
-                               thread_name_prefix="ckpt-prefetch") as pool:
+    pool = cf.ThreadPoolExecutor(min(workers, len(fetches)), thread_name_prefix="ckpt-prefetch")
+    try:
         keys = {pool.submit(fetch): key for key, fetch in fetches.items()}
-        for future in cf.as_completed(keys):
-            if future.exception() is not None:
-                continue
-            try:
-                use(keys[future], future.result())
-            except Exception:  # noqa: BLE001 - raised again by the access that needs it
-                pass
+
+        def deliver(use: Callable[[K, T], Any]) -> None:
+            for future in cf.as_completed(keys):
+                if future.exception() is not None:
+                    continue
+                try:
+                    use(keys[future], future.result())
+                except Exception:  # noqa: BLE001 - raised again by the access that needs it
+                    pass
+            keys.clear()
+
+        yield deliver
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _deliver_nothing(use: Callable[[Any, Any], Any]) -> None:
+    """What `fetches_started` yields where nothing is fetched ahead."""
 
 
 def read_ahead(fetches: Sequence[Callable[[], T]], workers: int) -> Generator[T, None, None]:

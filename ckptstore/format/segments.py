@@ -21,14 +21,14 @@ import functools
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import replace
 from typing import Any, overload
 
 import numpy as np
 
 from ..collector import paused_collector
-from ..concurrency import OnceEach, fetch_concurrently, outcome, read_ahead, run_concurrently
+from ..concurrency import OnceEach, fetches_started, outcome, read_ahead, run_concurrently
 from ..errors import FormatError
 from .codecs import Codec, parse_codec
 from .dtypes import DTYPES
@@ -627,11 +627,21 @@ class SegmentedEntries(Sequence[TensorEntry]):
         `workers` at a time (a reader of many tensors hides the store's round trips), each
         decoded on the calling thread as it arrives. Errors are left to the accesses that
         need them."""
+        with self.prefetching(indexes, workers) as arrived:
+            arrived()
+
+    @contextmanager
+    def prefetching(self, indexes: Iterable[int], workers: int
+                    ) -> Iterator[Callable[[], None]]:
+        """`prefetch`, its reads begun on entering the block (whose own reads, a tree's
+        pages, then overlap them); the block calls what this yields to decode what arrived.
+        Leaving the block without that call drops the bytes read."""
         wanted = {bisect.bisect_right(self._starts, i) - 1 for i in indexes}
         fetches: dict[int, Callable[[], bytes]] = {
             s: functools.partial(self._bytes, self.refs[s]) for s in sorted(wanted)
             if s not in self._parsed}
-        fetch_concurrently(fetches, self._arrived, workers)
+        with fetches_started(fetches, workers) as deliver:
+            yield functools.partial(deliver, self._arrived)
 
     def _arrived(self, s: int, data: bytes) -> None:
         self._fetched[s] = data

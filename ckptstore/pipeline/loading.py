@@ -12,7 +12,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from ..errors import FormatError, KeyMismatchError
 from ..format import tree as tree_mod
 from ..format.manifest import Manifest, TensorEntry
 from ..format.regions import Box, Runs, block_runs, boxes, single_offset
+from ..format.segments import SegmentedEntries
 from ..format.shard import Shard
 from .budget import ByteBudget
 from .device import (
@@ -193,11 +195,10 @@ def plan_load(manifest: Manifest, into: Any = None, keys: Iterable[str] | None =
     keep = key_filter(keys)
     # per tensor only strings and temporaries: thousands of retained tuples would cost more
     # in the cyclic GC's full collections than building them
-    key_of = tree_mod.leaf_keys(manifest.tree, keep)  # tied tensors: by a selected path
-    selected = [i for i in range(len(manifest.tensors)) if i in key_of]
-    prefetch = getattr(manifest.tensors, "prefetch", None)  # a version-3 manifest's segments
-    if prefetch is not None:
-        prefetch(selected, workers)
+    with _segments_read(manifest, keep, workers) as read_for:
+        key_of = tree_mod.leaf_keys(manifest.tree, keep)  # tied tensors: by a selected path
+        selected = [i for i in range(len(manifest.tensors)) if i in key_of]
+        read_for(selected)
     if keep is not None:
         _check_keys_exist(manifest, keys or [], keep)
     dests = tree_mod.flatten_arrays(into) if into is not None else {}
@@ -213,6 +214,30 @@ def plan_load(manifest: Manifest, into: Any = None, keys: Iterable[str] | None =
     check_allocation(manifest, [i for i in selected if key_of.get(i, "") not in dests],
                      max_alloc_bytes)
     return LoadPlan(manifest, selected, key_of, also, dests, keep, seam, parts)
+
+
+@contextmanager
+def _segments_read(manifest: Manifest, keep: tree_mod.KeyFilter | None, workers: int
+                   ) -> Iterator[Callable[[list[int]], None]]:
+    """Reads the index segments (a version-3 manifest's) of the tensors a load selects,
+    `workers` at a time, as `read_for(selected)`. A whole load selects every tensor, so its
+    segments' reads begin before the tree's pages are read and overlap them (on a remote
+    store each is a round trip); a partial load learns which it needs from the pages."""
+    tensors = manifest.tensors
+    if not isinstance(tensors, SegmentedEntries):
+        yield _nothing_to_read
+        return
+    everything = range(len(tensors)) if keep is None else ()
+    with tensors.prefetching(everything, workers) as arrived:
+        def read_for(selected: list[int]) -> None:
+            arrived()
+            tensors.prefetch(selected, workers)  # (those not read above)
+
+        yield read_for
+
+
+def _nothing_to_read(selected: list[int]) -> None:
+    """`_segments_read` of a manifest whose entries are all in memory."""
 
 
 def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:

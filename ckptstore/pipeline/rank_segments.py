@@ -137,6 +137,8 @@ def build_segments(writer: CheckpointWriter, rows: np.ndarray, plan: RankPlan,
                for geo, ref in zip(plan.geometry, storage_refs(leaves))]
     algorithm = writer.options.hash
     out = []
+    blobs: list[tuple[str, bytes]] = []
+    parts: set[str] = set()
     for s, span in enumerate(plan.spans):
         if builder_of(s, world) != rank:
             continue
@@ -145,9 +147,10 @@ def build_segments(writer: CheckpointWriter, rows: np.ndarray, plan: RankPlan,
         encoded = encode_columns(entries, mine["blob"], mine["offset"], mine["size"],
                                  mine["nbytes"], mine["digest"], algorithm)
         for part, data in encoded.parts:  # named by the head alone: never taken as known
-            writer.put_index_blob(part.digest, data, always=True)  # (rank 0 confirms none)
-        writer.put_index_blob(encoded.ref.digest, encoded.head)
+            blobs.append((part.digest, data))  # (rank 0 confirms none)
+            parts.add(part.digest)
+        blobs.append((encoded.ref.digest, encoded.head))
         ref = encoded.ref
         out.append([s, ref.digest, ref.size, ref.tensors, ref.nbytes])
-    writer.store.sync()
+    writer.put_index_blobs(blobs, always=parts)  # side by side, durable on return
     return out

@@ -21,7 +21,7 @@ import concurrent.futures as cf
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
@@ -46,7 +46,6 @@ from ..format.manifest import (
     TensorEntry,
     expected_chunk_count,
 )
-from ..format.segment_encoding import IndexBlob
 from ..format.segments import ChunkColumns, version_for
 from ..layout import blob_key
 from ..stores.base import Store
@@ -590,24 +589,17 @@ class CheckpointWriter:
         with self._claim_lock:
             return wanted - self._claimed
 
-    def put_index_blob(self, digest: str, data: bytes, always: bool = False) -> None:
-        """Write an index blob (a segment) this save built, unless the store is known to
-        hold it (`always`: even then); durable at the next `store.sync()`."""
-        if digest in self.known.index_blobs and not always:
-            return
-        with self._claim_lock:
-            self._claimed.add(digest)
-        self.store.put(blob_key(digest), data)
-
-    def _put_index_blobs(self, index: Sequence[tuple[IndexBlob, bytes]]) -> None:
-        """Put the index blobs the store is not known to hold (like data, an index blob the
-        store holds is reused), side by side through one deferred batch: a save of many
-        small tensors has hundreds of segments and tree pages, and a durable put (an fsync,
-        or a round trip) after another cost it more than its data. A save beside training
-        puts them within its turns, as its data. Every one is durable when this returns; on
-        an error none that was not yet is made visible."""
-        new = [(ref.digest, data) for ref, data in index
-               if ref.digest not in self.known.index_blobs]
+    def put_index_blobs(self, blobs: Sequence[tuple[str, bytes]],
+                        always: Collection[str] = ()) -> None:
+        """Put the index blobs (digest, bytes) this save built that the store is not known to
+        hold (`always`: these even then; like data, an index blob the store holds is
+        reused), side by side through one deferred batch: a save of many small tensors has
+        hundreds of segments and tree pages, and a durable put (an fsync, or a round trip)
+        after another cost it more than its data. A save beside training puts them within
+        its turns, as its data. Every one is durable when this returns; on an error none
+        that was not yet is made visible."""
+        new = list({digest: data for digest, data in blobs  # (a digest once)
+                    if digest not in self.known.index_blobs or digest in always}.items())
         if not new:
             return
         with self._claim_lock:
@@ -656,7 +648,7 @@ class CheckpointWriter:
                               "nothing was committed (save fewer tensors per checkpoint, or a "
                               "larger chunk_bytes)")
         with self.stats.timed("commit"):
-            self._put_index_blobs(index)
+            self.put_index_blobs([(ref.digest, data) for ref, data in index])
             self.store.sync()  # every blob durable before the manifest exists
             self.confirm_sources()  # again, later: see Overlap.confirm
             if self.before_commit is not None:

@@ -17,6 +17,7 @@ import pytest
 from ckptstore.concurrency import (
     OnceEach,
     fetch_concurrently,
+    fetches_started,
     outcome,
     read_ahead,
     run_concurrently,
@@ -136,6 +137,33 @@ class _Fetches:
         if i == self.fail_at:
             raise OSError(f"fetch {i} failed")
         return i * 10
+
+
+def test_fetches_started_run_while_the_block_works_and_are_used_when_delivered() -> None:
+    fetches = _Fetches(6)
+    used: list[tuple[int, int]] = []
+    with fetches_started(dict(enumerate(fetches.calls)), workers=3) as deliver:
+        time.sleep(0.1)  # the block's own work: the fetches run meanwhile
+        with fetches.lock:
+            assert len(fetches.started) == 6 and not used
+        deliver(lambda k, got: used.append((k, got)))
+        deliver(lambda k, got: used.append((k, got)))  # each result is handed out once
+    assert sorted(used) == [(i, i * 10) for i in range(6)]
+    assert 1 < fetches.most <= 3
+
+
+def test_fetches_started_and_never_delivered_are_cancelled_on_leaving() -> None:
+    fetches = _Fetches(40)
+    before = threading.active_count()
+    with pytest.raises(KeyError):
+        with fetches_started(dict(enumerate(fetches.calls)), workers=2):
+            raise KeyError("the block failed before it used the fetches")
+    assert fetches.running == 0 and threading.active_count() == before
+    assert len(fetches.started) < 40
+    single = _Fetches(1)  # nothing to overlap: nothing fetched ahead, nothing delivered
+    with fetches_started(dict(enumerate(single.calls)), workers=4) as deliver:
+        deliver(lambda k, got: pytest.fail("nothing was fetched ahead"))
+    assert single.started == []
 
 
 def test_read_ahead_keeps_order_overlaps_and_stays_bounded() -> None:

@@ -1,9 +1,10 @@
 """Index blobs (segments, tree pages) move side by side: a commit puts them through one
-deferred batch (CheckpointWriter._put_index_blobs), and a pass over every segment of a
+deferred batch (CheckpointWriter.put_index_blobs), and a pass over every segment of a
 checkpoint (an incremental save learning its parent's chunks, space accounting) reads them
 a few at a time (SegmentedEntries._each_segment). The speed must change nothing else:
 
-- on a remote-like store the puts and the reads really overlap;
+- on a remote-like store the puts and the reads really overlap (a whole load's segment
+  reads with its tree pages' too);
 - a put that fails leaves no checkpoint and no index blob of the batch in the folder, the
   earlier checkpoint loads, and the same save then commits;
 - an unchanged index blob is not put again by the next save (it is reused like data);
@@ -219,6 +220,62 @@ def test_a_whole_load_reads_the_tree_pages_side_by_side_and_a_partial_one_few():
     got = CheckpointStore(store).load("a", keys=wanted)
     assert_same(got, {k: state[k] for k in wanted})
     assert len(store.flight.keys) == 2  # the two pages whose names reach them
+
+
+class _PagesAndSegmentsStore(MemoryStore):
+    """A memory store whose reads of tree pages and of segments take a while, each kind
+    counted apart: `overlapped` once a read of one kind starts while the other runs."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.kinds: dict[str, InFlight] = {}
+        self.kind_of: dict[str, str] = {}
+        self.overlapped = False
+
+    def get(self, key):
+        kind = self.kind_of.get(key)
+        if kind is None:
+            return super().get(key)
+        other = self.kinds["segment" if kind == "page" else "page"]
+        self.overlapped |= other.now > 0
+        with self.kinds[kind].call(key, 0.01):
+            return super().get(key)
+
+
+def test_a_whole_load_reads_its_segments_while_it_reads_its_tree_pages():
+    store = _PagesAndSegmentsStore(f"waves-{os.getpid()}")
+    state = small_state(8, n=4300)
+    CheckpointStore(store).save("a", state)
+    manifest = CheckpointStore(store).manifest("a")
+    pages, segments = manifest.tree_page_refs(), manifest.segment_refs()
+    assert len(pages) >= 8 and len(segments) >= 8
+    store.kinds = {"page": InFlight(), "segment": InFlight()}
+    store.kind_of = {**{blob_key(r.digest): "page" for r in pages},
+                     **{blob_key(r.digest): "segment" for r in segments}}
+    assert_same(CheckpointStore(store).load("a"), state)
+    assert store.overlapped  # one wave, not pages then segments
+    assert sorted(store.kinds["segment"].keys) == sorted(blob_key(r.digest) for r in segments)
+    assert len(store.kinds["page"].keys) == len(pages)  # each read once
+    # a partial load learns from the pages which segments it needs: it reads those alone
+    store.kinds = {"page": InFlight(), "segment": InFlight()}
+    store.overlapped = False
+    wanted = ["blocks.1.p3", "blocks.9.p99"]
+    assert_same(CheckpointStore(store).load("a", keys=wanted), {k: state[k] for k in wanted})
+    assert len(store.kinds["segment"].keys) <= 2 and not store.overlapped
+
+
+def test_a_whole_load_whose_tree_page_is_missing_leaves_no_segment_read_running():
+    store = _SlowReadStore(f"waves-missing-{os.getpid()}")
+    state = small_state(9, n=4300)
+    CheckpointStore(store).save("a", state)
+    manifest = CheckpointStore(store).manifest("a")
+    store.slow_keys = {blob_key(r.digest) for r in manifest.segment_refs()}
+    lost = manifest.tree_page_refs()[0].digest
+    store.missing = {blob_key(lost)}
+    before = threading.active_count()
+    with pytest.raises(FormatError, match=f"index blob {lost} has no good copy: missing"):
+        CheckpointStore(store).load("a")
+    assert store.flight.now == 0 and threading.active_count() == before
 
 
 def test_a_missing_tree_page_fails_the_load_naming_it():
