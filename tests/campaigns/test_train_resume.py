@@ -24,7 +24,7 @@ def launch(run: Path, data: Path, hold_after: str | None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), "--run", str(run), "--data", str(data),
          "--steps", str(STEPS), "--every", str(EVERY), "--batch", "8",
-         "--extra-rows", "60000", *hold],
+         "--extra-rows", "20000", *hold],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -52,7 +52,7 @@ def run_until(run: Path, data: Path, kill_after: str | None,
               committed: str | None = None) -> list[str]:
     """Run the script; SIGKILL it right after it prints `kill_after` (None: to the end). The
     script holds after printing that line, so the kill lands exactly there; after a `saving`
-    line its async save (about 90 MB) is still being written when the kill lands. With
+    line its async save (about 32 MB) is still being written when the kill lands. With
     `committed`: the kill waits until that checkpoint is committed (an async save's commit
     may trail the steps by more than a step on a loaded machine)."""
     proc = launch(run, data, kill_after)
