@@ -78,6 +78,11 @@ _ROW_BYTES = sum(width for _dtype, width in CHUNK_COLUMNS) + DIGEST_BYTES
 PART_READ_THREADS = 8
 #: Segments read side by side by a pass over all of them (`SegmentedEntries.chunk_tables`).
 SEGMENT_READ_AHEAD = 8
+#: A load reads the index blobs it needs (segments, parts) on at least this many threads,
+#: however few its data-reading threads (`LoadOptions.workers`: 4 on 2 cores): a read of
+#: a small blob mostly waits for the store's round trip, and decoding happens on the
+#: calling thread, so the threads take no core from the load.
+INDEX_READ_THREADS = 8
 
 
 def version_for(entries: Sequence[TensorEntry]) -> int:
@@ -538,15 +543,16 @@ class PartedRows(LazyChunks):
 
 
 def prefetch_chunks(wanted: Iterable[tuple[TensorEntry, int]], workers: int) -> None:
-    """Read the parts holding chunks (entry, index) of parted segments, `workers` at a time;
-    chunks of other entries need nothing. Errors are left to the accesses that need them."""
+    """Read the parts holding chunks (entry, index) of parted segments, `workers` (at least
+    INDEX_READ_THREADS) at a time; chunks of other entries need nothing. Errors are left to
+    the accesses that need them."""
     parts: dict[tuple[int, int], Callable[[], ChunkRows]] = {}
     for e, c in wanted:
         chunks = e.chunks
         if isinstance(chunks, PartedRows) and 0 <= c < len(chunks):
             p, _row = chunks.parts.row_of(chunks.k, c)
             parts.setdefault((id(chunks.parts), p), functools.partial(chunks.parts.rows, p))
-    run_concurrently(list(parts.values()), workers)
+    run_concurrently(list(parts.values()), max(workers, INDEX_READ_THREADS))
 
 
 def segment_parts(entries: Sequence[TensorEntry]) -> SegmentParts | None:
@@ -624,9 +630,9 @@ class SegmentedEntries(Sequence[TensorEntry]):
 
     def prefetch(self, indexes: Iterable[int], workers: int) -> None:
         """Read the segments holding tensors `indexes` that are not read yet: their bytes
-        `workers` at a time (a reader of many tensors hides the store's round trips), each
-        decoded on the calling thread as it arrives. Errors are left to the accesses that
-        need them."""
+        `workers` (at least INDEX_READ_THREADS) at a time (a reader of many tensors hides
+        the store's round trips), each decoded on the calling thread as it arrives. Errors
+        are left to the accesses that need them."""
         with self.prefetching(indexes, workers) as arrived:
             arrived()
 
@@ -640,7 +646,7 @@ class SegmentedEntries(Sequence[TensorEntry]):
         fetches: dict[int, Callable[[], bytes]] = {
             s: functools.partial(self._bytes, self.refs[s]) for s in sorted(wanted)
             if s not in self._parsed}
-        with fetches_started(fetches, workers) as deliver:
+        with fetches_started(fetches, max(workers, INDEX_READ_THREADS)) as deliver:
             yield functools.partial(deliver, self._arrived)
 
     def _arrived(self, s: int, data: bytes) -> None:
