@@ -24,8 +24,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -225,45 +224,28 @@ class SingleStore(CheckpointStore, kind="single"):
         if name in later.taken or name in {n for _c, n in order} or self.exists(name):
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in {self.uri}; it "
                                         "was not touched")
+        encoder = TreeEncoder()
+        with paused_collector():
+            tree = encoder.encode_state(call.state)
         # only chunks this store holds may be reused: the parent is its latest. Only the
         # parent's chunks are known to exist: chunks remembered from earlier saves may belong
         # to checkpoints deleted (and swept by retention or gc) since.
         parent_name = self.catalog.newest_whole(order) if parent == LATEST else parent
         known = KnownChunks()
-        read_parent = None
         if parent_name is not None and not (parent_name in later.taken
                                             and not self.exists(parent_name)):
             remembered = call.committer.known_chunks(parent_name)
             if remembered is not None:  # this process's part of the parent, kept from its save
                 known = remembered
-            else:  # read while the state is encoded (on a remote store: its round trips)
-                read_parent = self._parent_chunks(parent_name)
+            else:
+                known.add_manifest(self.catalog.manifest(parent_name))  # raises if nowhere
         # (a parent only a later tier holds: its chunks are not here, nothing is reused)
-        encoder = TreeEncoder()
-        with read_parent if read_parent is not None else nullcontext() as parent_chunks:
-            with paused_collector():
-                tree = encoder.encode_state(call.state)
-            if parent_chunks is not None:
-                known = parent_chunks()  # raises if the parent is nowhere
         newest = max([c for c, _n in order[-1:]] + (
             [] if later.newest is None else [later.newest]), default=None)
         return SaveRequest(name, tree, encoder.leaves, metadata, parent_name,
                            manifest_key(name), known=known,
                            not_before=0.0 if newest is None else newest + COMMIT_ORDER_STEP,
                            targets=later.targets)
-
-    @contextmanager
-    def _parent_chunks(self, name: str) -> Iterator[Callable[[], KnownChunks]]:
-        """The chunks of checkpoint `name`, read on a thread of its own from entering the
-        block: the block calls what this yields to wait for them (raising what the read
-        raised). Leaving the block waits for the read, so none outlives the save's step."""
-        def read() -> KnownChunks:
-            known = KnownChunks()
-            known.add_manifest(self.catalog.manifest(name))
-            return known
-
-        with cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-parent") as pool:
-            yield pool.submit(read).result
 
     def _prepare_or_abort(self, call: SaveCall) -> SaveRequest:
         """`_prepare`; on failure the committer hears of it first (a collective save tells

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import CheckpointStore, FormatError, UnsupportedTypeError
+from ckptstore import CheckpointStore, FormatError
 from ckptstore.errors import ObjectNotFoundError
 from ckptstore.layout import blob_key
 from ckptstore.stores.base import DeferredPuts
@@ -192,46 +192,6 @@ def test_a_pass_over_every_segment_reads_them_side_by_side():
     extents = CheckpointStore(store).manifest("a").blob_extents()
     assert len(store.flight.keys) == len(segments) and store.flight.most > 1
     assert {r.digest for r in segments} <= set(extents)
-
-
-def test_a_restarted_incremental_save_reads_its_parent_while_it_encodes_the_state(
-        monkeypatch: pytest.MonkeyPatch):
-    import ckptstore.repository.single as single
-
-    store = _SlowReadStore(f"parent-ahead-{os.getpid()}")
-    state = small_state(10)
-    CheckpointStore(store).save("a", state)
-    segments = CheckpointStore(store).manifest("a").segment_refs()
-    store.slow_keys = {blob_key(r.digest) for r in segments}
-    encode = single.TreeEncoder.encode_state
-
-    def encode_once_the_parent_is_being_read(self, value):
-        deadline = time.monotonic() + 10
-        while not store.flight.keys:  # the parent's segments: read before encoding ends
-            assert time.monotonic() < deadline, "the parent was not read while encoding"
-            time.sleep(0.005)
-        return encode(self, value)
-
-    monkeypatch.setattr(single.TreeEncoder, "encode_state", encode_once_the_parent_is_being_read)
-    changed = dict(state)
-    changed["blocks.3.p7"] = changed["blocks.3.p7"] * 2
-    info = CheckpointStore(store).save("b", changed)  # a fresh process's store: no memory
-    assert info.written_bytes < info.logical_bytes / 10  # the parent's chunks were reused
-    assert sorted(store.flight.keys) == sorted(blob_key(r.digest) for r in segments)
-    monkeypatch.setattr(single.TreeEncoder, "encode_state", encode)
-    assert_same(CheckpointStore(store).load("b"), changed)
-
-
-def test_an_encoding_error_beside_the_parent_read_leaves_no_read_running():
-    store = _SlowReadStore(f"parent-error-{os.getpid()}")
-    CheckpointStore(store).save("a", small_state(11))
-    store.slow_keys = {blob_key(r.digest)
-                       for r in CheckpointStore(store).manifest("a").segment_refs()}
-    before = threading.active_count()
-    with pytest.raises(UnsupportedTypeError, match="cannot store a value of type"):
-        CheckpointStore(store).save("b", {**small_state(11), "bad": object()})
-    assert store.flight.now == 0 and threading.active_count() == before
-    assert [c.name for c in CheckpointStore(store).list()] == ["a"]
 
 
 def test_a_missing_segment_fails_the_incremental_save_that_reads_it():
