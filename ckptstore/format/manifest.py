@@ -17,7 +17,7 @@ import json.encoder
 import math
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Self, overload
 
@@ -449,9 +449,12 @@ class Manifest:
             return sum(r.nbytes for r in self.segment_refs())
         return sum(t.nbytes for t in self.tensors)
 
-    def blob_digests(self) -> set[str]:
-        """Every blob the checkpoint needs: its chunks' and (version 3) its index blobs."""
-        return set(self.blob_extents())
+    def blob_digests(self, known_segments: Collection[str] = ()) -> set[str]:
+        """Every blob the checkpoint needs: its chunks' and (version 3) its index blobs.
+        `known_segments`: index segments whose blobs the caller holds already (a segment is
+        named by its content, so the same digest names the same chunks): they are not read,
+        and the blobs only they name are left out (`BlobUnion`)."""
+        return set(self.blob_extents(self.chunk_tables(known_segments)))
 
     def blob_extents(self, tables: Iterable[ChunkTable] | None = None) -> dict[str, int]:
         """{blob: the bytes of it the checkpoint uses}: the furthest chunk's offset + size,
@@ -468,13 +471,14 @@ class Manifest:
                     ext[blob] = end
         return ext
 
-    def chunk_tables(self) -> Iterator[ChunkTable]:
+    def chunk_tables(self, skip: Collection[str] = ()) -> Iterator[ChunkTable]:
         """Every chunk reference as columns: one table per index segment (version 3 read from
-        a store: its segments' bytes, no entries built), else one for all the entries. For
-        passes over many checkpoints (space accounting, gc)."""
+        a store: its segments' bytes, no entries built; those whose digest is in `skip` left
+        out, unread), else one for all the entries. For passes over many checkpoints (space
+        accounting, gc)."""
         tables = getattr(self.tensors, "chunk_tables", None)
         if tables is not None:
-            yield from tables()
+            yield from tables(skip)
         else:
             yield ChunkTable.of(self.tensors)
 
@@ -591,6 +595,23 @@ class Manifest:
             ok = [entry_problem(t) is None for t in self.tensors]
             object.__setattr__(self, "_entries_ok", ok)
         return ok
+
+
+class BlobUnion:
+    """The blobs of many checkpoints as one set (`blobs`), each index segment read once
+    however many of them name it: a segment is named by its content, so one already read
+    names no blob the union lacks. For passes over every checkpoint (gc's references): a
+    checkpoint that changed a few tensors since the last shares most of its segments."""
+
+    def __init__(self) -> None:
+        self.blobs: set[str] = set()
+        self._segments: set[str] = set()
+
+    def add(self, manifest: Manifest) -> None:
+        """Add every blob `manifest` needs; raises what reading it raises (nothing of it is
+        then added)."""
+        self.blobs |= manifest.blob_digests(self._segments)
+        self._segments.update(r.digest for r in manifest.segment_refs())
 
 
 _HI = 1 << 62  # `_int`'s default upper bound

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from dataclasses import replace
@@ -694,11 +694,11 @@ class SegmentedEntries(Sequence[TensorEntry]):
             yield got if data is None else chunk_columns(data(), self.refs[s], self._where,
                                                          self._source)
 
-    def chunk_tables(self) -> Iterator[ChunkTable]:
+    def chunk_tables(self, skip: Collection[str] = ()) -> Iterator[ChunkTable]:
         """The chunk references of each segment in order, as columns: a segment already
         parsed from its entries, any other straight from its bytes (not kept, no entries
-        built; see `chunk_table`)."""
-        for s, got, data in self._each_segment():
+        built; see `chunk_table`). Segments whose digest is in `skip` are left out, unread."""
+        for s, got, data in self._each_segment(skip):
             if data is None:
                 shared = segment_parts(got)
                 table = ChunkTable.of(got)
@@ -706,19 +706,21 @@ class SegmentedEntries(Sequence[TensorEntry]):
             else:
                 yield chunk_table(data(), self.refs[s], self._where, self._source)
 
-    def _each_segment(self) -> Iterator[tuple[int, list[TensorEntry],
-                                              Callable[[], bytes] | None]]:
+    def _each_segment(self, skip: Collection[str] = ()
+                      ) -> Iterator[tuple[int, list[TensorEntry], Callable[[], bytes] | None]]:
         """(s, entries, None) for each segment already parsed and (s, [], `data`) for the
-        others, in order, `data()` giving its bytes or raising why they cannot be read. A
-        pass over every segment (an incremental save learning its parent's chunks, space
-        accounting, gc, verify) reads them SEGMENT_READ_AHEAD at a time, so a store's round
-        trips overlap, holding no more than that many segments' bytes."""
-        known = [self._parsed.get(s) for s in range(len(self.refs))]
+        others, in order, `data()` giving its bytes or raising why they cannot be read;
+        segments whose digest is in `skip` are left out. A pass over every segment (an
+        incremental save learning its parent's chunks, space accounting, gc, verify) reads
+        them SEGMENT_READ_AHEAD at a time, so a store's round trips overlap, holding no more
+        than that many segments' bytes."""
+        known = [(s, self._parsed.get(s)) for s, ref in enumerate(self.refs)
+                 if ref.digest not in skip]
         with closing(read_ahead([functools.partial(outcome, functools.partial(
                                      self._bytes, self.refs[s]))
-                                 for s, got in enumerate(known) if got is None],
+                                 for s, got in known if got is None],
                                 SEGMENT_READ_AHEAD)) as fetched:
-            for s, got in enumerate(known):
+            for s, got in known:
                 yield (s, got, None) if got is not None else (s, [], next(fetched))
 
     @overload

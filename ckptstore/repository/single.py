@@ -44,7 +44,7 @@ from ..errors import (
 from ..format.canonical import canonical_json
 from ..format.codecs import Codec, codec_option
 from ..format.hashing import HASH_NAME, hash_algorithm
-from ..format.manifest import Manifest
+from ..format.manifest import BlobUnion, Manifest
 from ..format.manifest_parse import committed_manifest
 from ..format.names import validate_name
 from ..format.tree import TreeEncoder, flatten_arrays
@@ -454,31 +454,31 @@ class SingleStore(CheckpointStore, kind="single"):
         return checks.verify(self.store, [self.manifest(name)], self.hash, sample=sample)
 
     def referenced_blobs(self) -> set[str]:
-        return self._references(set())
+        return self._references(set(), BlobUnion())
 
-    def _references(self, seen: set[str]) -> set[str]:
-        """The blobs of every checkpoint not in `seen` (its names are added to it), one
-        parsed manifest at a time (not cached)."""
-        refs: set[str] = set()
+    def _references(self, seen: set[str], union: BlobUnion) -> set[str]:
+        """Add to `union` the blobs of every checkpoint not in `seen` (its names are added
+        to it), one parsed manifest at a time (not cached); returns `union.blobs`."""
         for name, manifest_of in self.catalog.in_turn([n for n in self.names()
                                                        if n not in seen]):
             try:
-                refs |= manifest_of(name).blob_digests()
+                union.add(manifest_of(name))
             except CheckpointNotFoundError:
                 continue  # deleted meanwhile: its blobs may go
             except CkptStoreError as exc:
                 raise CkptStoreError(f"gc stopped, nothing deleted: {exc}") from exc
             seen.add(name)
-        return refs
+        return union.blobs
 
     def gc(self, grace_seconds: float = 3600.0, dry_run: bool = False, *, wait: float = 0.0,
            now: float | None = None) -> checks.GcReport:
         # gc asks twice and keeps the union: the second look reads only the checkpoints
         # committed since the first (a manifest never changes once committed)
         seen: set[str] = set()
+        union = BlobUnion()  # (each index segment read once over both looks)
 
         def referenced() -> set[str]:
-            return self._references(seen)
+            return set(self._references(seen, union))
 
         if dry_run:
             return checks.gc(self.store, referenced, grace_seconds, True, now)

@@ -25,7 +25,7 @@ from ..errors import (
     RepositoryNotFoundError,
     TierUnreachableError,
 )
-from ..format.manifest import Manifest
+from ..format.manifest import BlobUnion, Manifest
 from ..format.names import validate_name
 from ..layout import blob_key
 from ..maintenance import checks
@@ -295,15 +295,15 @@ class TieredStore(CheckpointStore, kind="tiered"):
         return chosen.verify(name, sample=sample)
 
     def referenced_blobs(self) -> set[str]:
-        refs: set[str] = set()
+        union = BlobUnion()  # each index segment read once
         for name in self.names():
             try:  # one parsed manifest at a time: not cached
-                refs |= self._manifest_of(name, cache=False).blob_digests()
+                union.add(self._manifest_of(name, cache=False))
             except CheckpointNotFoundError:
                 continue
             except CkptStoreError as exc:
                 raise CkptStoreError(f"gc stopped, nothing deleted: {exc}") from exc
-        return refs
+        return union.blobs
 
     def gc(self, grace_seconds: float = 3600.0, dry_run: bool = False, *, wait: float = 0.0,
            now: float | None = None) -> checks.GcReport:

@@ -194,6 +194,28 @@ def test_a_pass_over_every_segment_reads_them_side_by_side():
     assert {r.digest for r in segments} <= set(extents)
 
 
+def test_gc_reads_a_segment_shared_by_checkpoints_once_and_finds_the_same_blobs():
+    store = _SlowReadStore(f"shared-{os.getpid()}")
+    repo = CheckpointStore(store)
+    state = small_state(12)
+    repo.save("a", state)
+    for name, changed in (("b", "blocks.1.p5"), ("c", "blocks.22.p9")):
+        state = {**state, changed: state[changed] + 1}
+        repo.save(name, state)
+    fresh = CheckpointStore(store)
+    refs = [{r.digest for r in fresh.manifest(n).segment_refs()} for n in "abc"]
+    segments = set().union(*refs)
+    assert set.intersection(*refs) and len(segments) < sum(map(len, refs))  # shared ones
+    each = set().union(*(fresh.manifest(n).blob_digests() for n in "abc"))  # each read whole
+    store.slow_keys = {blob_key(d) for d in segments}
+    assert CheckpointStore(store).referenced_blobs() == each
+    assert sorted(store.flight.keys) == sorted(blob_key(d) for d in segments)  # each once
+    repo.delete("a")
+    assert CheckpointStore(store).gc(grace_seconds=0).referenced_blobs > 0
+    assert_same(CheckpointStore(store).load("c"), state)
+    assert CheckpointStore(store).verify("b").ok
+
+
 def test_a_missing_segment_fails_the_incremental_save_that_reads_it():
     store = _SlowReadStore(f"missing-{os.getpid()}")
     state = small_state(4)
