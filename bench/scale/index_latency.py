@@ -1,0 +1,130 @@
+"""Operations that read many index blobs (segments, tree pages, manifest roots) from a local
+folder whose whole-object reads (`Store.get`) each wait `--latency-ms` first, as a store in
+another building would; data reads are not delayed. One or more source trees side by side
+(before and after a change), each measurement in a fresh process, trees alternated:
+
+    python -m scale.index_latency --source /tmp/before --source /work/main --latency-ms 20
+    (run from bench/; --op load|gc, --tensors N (default 50,000), --reps R (default 3))
+
+* load: checkpoint "s" of `--tensors` 1 KiB tensors loaded whole (new tensors);
+* gc: the reference pass of gc (`referenced_blobs()`) over `--checkpoints` checkpoints
+  (default 10) of those tensors, each changing 1% of them from the one before (most index
+  segments shared between neighbours).
+
+Reported per tree and repetition: the operation's seconds (from opening the repository,
+imports excluded), the whole-object reads made, and when the last of them ended. With
+0 ms the same runs show what the operation costs without the round trips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent.parent  # bench/
+
+
+def measure(folder: str, latency: float, op: str) -> dict[str, Any]:
+    """Worker: `op` on the repository in `folder` (this process's ckptstore)."""
+    import ckptstore
+    from ckptstore.stores.local import LocalStore
+
+    ends: list[float] = []
+    lock = threading.Lock()
+
+    class Far(LocalStore):
+        def get(self, key: str) -> bytes:
+            time.sleep(latency)
+            data = super().get(key)
+            with lock:
+                ends.append(time.perf_counter())
+            return data
+
+    t0 = time.perf_counter()
+    repo = ckptstore.CheckpointStore(Far(folder), create=False)
+    if op == "load":
+        repo.load("s")
+    else:
+        repo.referenced_blobs()
+    seconds = time.perf_counter() - t0
+    return {"seconds": round(seconds, 3), "index_reads": len(ends),
+            "last_index_read_s": round(max(ends) - t0, 3)}
+
+
+def _save(folder: str, tensors: int, checkpoints: int) -> None:
+    """Worker: the checkpoints every tree reads (saved once, by the first tree): "s", then
+    for gc more, each with 1% of the tensors changed from the one before."""
+    import torch
+
+    import ckptstore
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(256, generator=g) for i in range(tensors)}
+    repo = ckptstore.CheckpointStore(folder)
+    repo.save("s", state, parent=None)
+    for k in range(1, checkpoints):
+        for i in torch.randperm(tensors, generator=g)[:max(1, tensors // 100)].tolist():
+            state[f"t{i}"] = state[f"t{i}"] + 1
+        repo.save(f"s{k}", state)
+
+
+def _env(source: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{HERE}", "PYTHONSAFEPATH": "1"}
+
+
+def _run(source: str, *args: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "scale.index_latency", "--worker", *args],
+                         env=_env(source), cwd=HERE, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--source", action="append", default=[],
+                    help="a source tree to measure (repeat; default: this checkout)")
+    ap.add_argument("--tensors", type=int, default=50_000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--latency-ms", type=float, default=20.0)
+    ap.add_argument("--op", choices=("load", "gc"), default="load")
+    ap.add_argument("--checkpoints", type=int, default=10,
+                    help="checkpoints of the gc operation (default 10)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        if args.save:
+            _save(args.folder, args.tensors, args.checkpoints if args.op == "gc" else 1)
+            print(json.dumps({}))
+        else:
+            print(json.dumps(measure(args.folder, args.latency_ms / 1000, args.op)))
+        return
+    sources = args.source or [str(HERE.parent)]
+    with tempfile.TemporaryDirectory(prefix="index-latency-") as tmp:
+        folder = str(Path(tmp) / "repo")
+        _run(sources[0], "--folder", folder, "--save", "--tensors", str(args.tensors),
+             "--op", args.op, "--checkpoints", str(args.checkpoints))
+        results: dict[str, list[dict[str, Any]]] = {s: [] for s in sources}
+        for rep in range(args.reps):
+            for source in sources:
+                got = _run(source, "--folder", folder, "--latency-ms", str(args.latency_ms),
+                           "--op", args.op)
+                results[source].append(got)
+                print(f"rep {rep + 1} {source} {args.op}, {args.latency_ms:g} ms per read: "
+                      f"{got['seconds']:.3f} s, {got['index_reads']} reads, the last "
+                      f"ending at {got['last_index_read_s']:.3f} s", file=sys.stderr)
+    print(json.dumps({"op": args.op, "tensors": args.tensors, "latency_ms": args.latency_ms,
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()
