@@ -8,8 +8,10 @@ another building would; data reads are not delayed. One or more source trees sid
 
 * load: checkpoint "s" of `--tensors` 1 KiB tensors loaded whole (new tensors);
 * gc: the reference pass of gc (`referenced_blobs()`) over `--checkpoints` checkpoints
-  (default 10) of those tensors, each changing 1% of them from the one before (most index
-  segments shared between neighbours).
+  (default 10) of those tensors, each changing some from the one before: `--pattern tail`
+  (default) the last 10% in the state's order (a model whose last layers train: the index
+  segments of the others are shared by every checkpoint), `spread` 1% at random (nearly
+  every segment holds a changed tensor: little is shared).
 
 Reported per tree and repetition: the operation's seconds (from opening the repository,
 imports excluded), the whole-object reads made, and when the last of them ended. With
@@ -59,9 +61,9 @@ def measure(folder: str, latency: float, op: str) -> dict[str, Any]:
             "last_index_read_s": round(max(ends) - t0, 3)}
 
 
-def _save(folder: str, tensors: int, checkpoints: int) -> None:
+def _save(folder: str, tensors: int, checkpoints: int, pattern: str) -> None:
     """Worker: the checkpoints every tree reads (saved once, by the first tree): "s", then
-    for gc more, each with 1% of the tensors changed from the one before."""
+    for gc more, each with some tensors changed from the one before (`pattern`)."""
     import torch
 
     import ckptstore
@@ -71,7 +73,9 @@ def _save(folder: str, tensors: int, checkpoints: int) -> None:
     repo = ckptstore.CheckpointStore(folder)
     repo.save("s", state, parent=None)
     for k in range(1, checkpoints):
-        for i in torch.randperm(tensors, generator=g)[:max(1, tensors // 100)].tolist():
+        changed = (range(tensors - max(1, tensors // 10), tensors) if pattern == "tail" else
+                   torch.randperm(tensors, generator=g)[:max(1, tensors // 100)].tolist())
+        for i in changed:
             state[f"t{i}"] = state[f"t{i}"] + 1
         repo.save(f"s{k}", state)
 
@@ -97,13 +101,16 @@ def main() -> None:
     ap.add_argument("--op", choices=("load", "gc"), default="load")
     ap.add_argument("--checkpoints", type=int, default=10,
                     help="checkpoints of the gc operation (default 10)")
+    ap.add_argument("--pattern", choices=("tail", "spread"), default="tail",
+                    help="which tensors each checkpoint of the gc operation changes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         if args.save:
-            _save(args.folder, args.tensors, args.checkpoints if args.op == "gc" else 1)
+            _save(args.folder, args.tensors, args.checkpoints if args.op == "gc" else 1,
+                  args.pattern)
             print(json.dumps({}))
         else:
             print(json.dumps(measure(args.folder, args.latency_ms / 1000, args.op)))
@@ -112,7 +119,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="index-latency-") as tmp:
         folder = str(Path(tmp) / "repo")
         _run(sources[0], "--folder", folder, "--save", "--tensors", str(args.tensors),
-             "--op", args.op, "--checkpoints", str(args.checkpoints))
+             "--op", args.op, "--checkpoints", str(args.checkpoints),
+             "--pattern", args.pattern)
         results: dict[str, list[dict[str, Any]]] = {s: [] for s in sources}
         for rep in range(args.reps):
             for source in sources:
@@ -122,8 +130,8 @@ def main() -> None:
                 print(f"rep {rep + 1} {source} {args.op}, {args.latency_ms:g} ms per read: "
                       f"{got['seconds']:.3f} s, {got['index_reads']} reads, the last "
                       f"ending at {got['last_index_read_s']:.3f} s", file=sys.stderr)
-    print(json.dumps({"op": args.op, "tensors": args.tensors, "latency_ms": args.latency_ms,
-                      "results": results}))
+    print(json.dumps({"op": args.op, "pattern": args.pattern, "tensors": args.tensors,
+                      "latency_ms": args.latency_ms, "results": results}))
 
 
 if __name__ == "__main__":
