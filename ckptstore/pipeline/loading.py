@@ -220,9 +220,10 @@ def plan_load(manifest: Manifest, into: Any = None, keys: Iterable[str] | None =
 def _segments_read(manifest: Manifest, keep: tree_mod.KeyFilter | None, workers: int
                    ) -> Iterator[Callable[[list[int]], None]]:
     """Reads the index segments (a version-3 manifest's) of the tensors a load selects,
-    `workers` at a time, as `read_for(selected)`. A whole load selects every tensor, so its
-    segments' reads begin before the tree's pages are read and overlap them (on a remote
-    store each is a round trip); a partial load learns which it needs from the pages."""
+    `workers` (at least INDEX_READ_THREADS) at a time, as `read_for(selected)`. A whole load
+    selects every tensor, so its segments' reads begin before the tree's pages are read and
+    overlap them (on a remote store each is a round trip); a partial load learns which it
+    needs from the pages."""
     tensors = manifest.tensors
     if not isinstance(tensors, SegmentedEntries):
         yield _nothing_to_read
