@@ -637,12 +637,14 @@ class SegmentedEntries(Sequence[TensorEntry]):
             arrived()
 
     @contextmanager
-    def prefetching(self, indexes: Iterable[int], workers: int
+    def prefetching(self, indexes: Iterable[int] | None, workers: int
                     ) -> Iterator[Callable[[], None]]:
-        """`prefetch`, its reads begun on entering the block (whose own reads, a tree's
-        pages, then overlap them); the block calls what this yields to decode what arrived.
-        Leaving the block without that call drops the bytes read."""
-        wanted = {bisect.bisect_right(self._starts, i) - 1 for i in indexes}
+        """`prefetch` (`indexes` None: every segment), its reads begun on entering the block
+        (whose own reads, a tree's pages, then overlap them); the block calls what this
+        yields to decode what arrived. Leaving the block without that call drops the bytes
+        read."""
+        wanted = (range(len(self.refs)) if indexes is None else
+                  {bisect.bisect_right(self._starts, i) - 1 for i in indexes})
         fetches: dict[int, Callable[[], bytes]] = {
             s: functools.partial(self._bytes, self.refs[s]) for s in sorted(wanted)
             if s not in self._parsed}

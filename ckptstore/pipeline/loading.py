@@ -227,18 +227,25 @@ def _segments_read(manifest: Manifest, keep: tree_mod.KeyFilter | None, workers:
     tensors = manifest.tensors
     if not isinstance(tensors, SegmentedEntries):
         yield _nothing_to_read
-        return
-    everything = range(len(tensors)) if keep is None else ()
-    with tensors.prefetching(everything, workers) as arrived:
-        def read_for(selected: list[int]) -> None:
-            arrived()
-            tensors.prefetch(selected, workers)  # (those not read above)
-
-        yield read_for
+    elif keep is not None:
+        yield functools.partial(_prefetch_selected, tensors, workers)
+    else:
+        with tensors.prefetching(None, workers) as arrived:
+            yield functools.partial(_all_arrived, arrived)
 
 
 def _nothing_to_read(selected: list[int]) -> None:
     """`_segments_read` of a manifest whose entries are all in memory."""
+
+
+def _prefetch_selected(tensors: SegmentedEntries, workers: int, selected: list[int]) -> None:
+    """`_segments_read` of a partial load: the segments of the tensors its pages selected."""
+    tensors.prefetch(selected, workers)
+
+
+def _all_arrived(arrived: Callable[[], None], selected: list[int]) -> None:
+    """`_segments_read` of a whole load: every segment's read began before the walk."""
+    arrived()
 
 
 def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:
