@@ -22,6 +22,7 @@ from ckptstore.concurrency import (
     read_ahead,
     run_concurrently,
 )
+from tests.helpers import wait_until
 
 
 def test_each_key_is_computed_once_and_different_keys_at_the_same_time() -> None:
@@ -143,9 +144,9 @@ def test_fetches_started_run_while_the_block_works_and_are_used_when_delivered()
     fetches = _Fetches(6)
     used: list[tuple[int, int]] = []
     with fetches_started(dict(enumerate(fetches.calls)), workers=3) as deliver:
-        time.sleep(0.1)  # the block's own work: the fetches run meanwhile
-        with fetches.lock:
-            assert len(fetches.started) == 6 and not used
+        # the block's own work: the fetches run meanwhile, none delivered yet
+        wait_until(lambda: len(fetches.started) == 6, what="every fetch started")
+        assert not used
         deliver(lambda k, got: used.append((k, got)))
         deliver(lambda k, got: used.append((k, got)))  # each result is handed out once
     assert sorted(used) == [(i, i * 10) for i in range(6)]
