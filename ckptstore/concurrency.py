@@ -1,8 +1,8 @@
 """Rules for work on a thread pool: `completed` (results as they complete, and on the first
 error every job not yet started is cancelled before the error propagates), `Turns` (how
 many threads of a save beside training may use a core at once), `run_concurrently` (calls
-whose errors their later users raise), `fetch_concurrently` (the same for fetches whose
-results the calling thread uses; `fetches_started` begins them before that use),
+whose errors their later users raise), `fetches_started` (the same for fetches whose
+results the calling thread uses, begun before that use),
 `read_ahead` (results used in order while the next ones are fetched; `outcome` keeps a
 fetch's error for its use) and `OnceEach` (a value computed once per key, keys
 concurrently)."""
@@ -165,24 +165,17 @@ def run_concurrently(calls: list[Callable[[], Any]], workers: int) -> None:
             future.exception()
 
 
-def fetch_concurrently(fetches: dict[K, Callable[[], T]], use: Callable[[K, T], Any],
-                       workers: int) -> None:
-    """A prefetch whose results need Python work: run `fetches` on up to `workers` threads
-    and hand each result to `use(key, result)` on the calling thread as it arrives (work
-    that holds the interpreter would only take turns on threads, each slowing the others).
-    Nothing is run where nothing can overlap (as `run_concurrently`). Errors of both are
-    dropped, for the caller's later use to raise."""
-    with fetches_started(fetches, workers) as deliver:
-        deliver(use)
-
-
 @contextmanager
 def fetches_started(fetches: dict[K, Callable[[], T]], workers: int
                     ) -> Iterator[Callable[[Callable[[K, T], Any]], None]]:
-    """`fetch_concurrently`, begun on entering the block so that the block's own work (other
-    reads) overlaps it: the block calls what this yields, `deliver(use)`, to hand each result
-    to `use` on the calling thread as it arrives (once; errors dropped as there). Leaving the
-    block cancels the fetches not started and waits for those running, delivered or not."""
+    """A prefetch whose results need Python work: run `fetches` on up to `workers` threads,
+    begun on entering the block so that the block's own work (other reads) overlaps them.
+    The block calls what this yields, `deliver(use)`, to hand each result to `use(key,
+    result)` on the calling thread as it arrives, once (work that holds the interpreter would
+    only take turns on threads, each slowing the others). Errors of both are dropped, for the
+    caller's later use to raise. Nothing is run where nothing can overlap (as
+    `run_concurrently`). Leaving the block cancels the fetches not started and waits for
+    those running, delivered or not."""
     if len(fetches) <= 1 or workers <= 1:
         yield _deliver_nothing
         return

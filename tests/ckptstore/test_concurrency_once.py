@@ -1,4 +1,4 @@
-"""`OnceEach`, `run_concurrently`, `fetch_concurrently` and `read_ahead`
+"""`OnceEach`, `run_concurrently`, `fetches_started` and `read_ahead`
 (ckptstore/concurrency.py), the pieces a load's prefetch of index segments and parts is
 made of: each key computed once however many threads ask, different keys at the same time,
 a failure not kept; a prefetch overlaps its calls and drops their errors for the later use
@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from ckptstore.concurrency import (
     OnceEach,
-    fetch_concurrently,
     fetches_started,
     outcome,
     read_ahead,
@@ -89,6 +90,11 @@ def test_a_prefetch_overlaps_its_calls_and_drops_their_errors() -> None:
     assert ran == []
 
 
+def fetch_all(fetches: dict, use: Callable[[Any, Any], Any], workers: int) -> None:
+    with fetches_started(fetches, workers) as deliver:
+        deliver(use)
+
+
 def test_fetches_overlap_and_their_results_are_used_on_the_calling_thread() -> None:
     started: list[float] = []
     used: list[tuple[int, str, str]] = []
@@ -105,12 +111,12 @@ def test_fetches_overlap_and_their_results_are_used_on_the_calling_thread() -> N
             raise ValueError("a use's error: left to the later use")
         used.append((k, got, threading.current_thread().name))
 
-    fetch_concurrently({k: functools.partial(fetch, k) for k in range(5)}, use, workers=8)
+    fetch_all({k: functools.partial(fetch, k) for k in range(5)}, use, workers=8)
     assert len(started) == 5 and max(started) - min(started) < 0.09  # side by side
     me = threading.current_thread().name
     assert sorted(used) == [(k, f"bytes {k}", me) for k in (0, 1, 4)]
-    fetch_concurrently({0: functools.partial(fetch, 0)}, use, workers=8)  # nothing to overlap
-    fetch_concurrently({k: functools.partial(fetch, k) for k in (0, 1)}, use, workers=1)
+    fetch_all({0: functools.partial(fetch, 0)}, use, workers=8)  # nothing to overlap
+    fetch_all({k: functools.partial(fetch, k) for k in (0, 1)}, use, workers=1)
     assert len(started) == 5
 
 
