@@ -2,7 +2,8 @@
 error every job not yet started is cancelled before the error propagates), `Turns` (how
 many threads of a save beside training may use a core at once), `run_concurrently` (calls
 whose errors their later users raise), `fetches_started` (the same for fetches whose
-results the calling thread uses, begun before that use),
+results the calling thread uses, begun before that use), `results_ahead` (fetches begun
+before a later pass takes their results one by one),
 `read_ahead` (results used in order while the next ones are fetched; `outcome` keeps a
 fetch's error for its use) and `OnceEach` (a value computed once per key, keys
 concurrently)."""
@@ -196,6 +197,38 @@ def fetches_started(fetches: dict[K, Callable[[], T]], workers: int
         yield deliver
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextmanager
+def results_ahead(fetches: dict[K, Callable[[], T]], workers: int
+                  ) -> Iterator[Callable[[K], Callable[[], T] | None]]:
+    """Fetches begun long before their results are used: run `fetches` on up to `workers`
+    threads from entering the block, so the block's own work (encoding a state) overlaps
+    them. The block's `claim(key)` gives, once per key, a call that waits for that result
+    and returns it or raises its error; None for a key not fetched ahead or claimed before
+    (the caller then fetches it itself). Thread-safe. Leaving the block cancels the fetches
+    not started and waits for those running; results not claimed are dropped. Nothing runs
+    ahead where nothing can overlap (one fetch, or `workers` <= 1)."""
+    if len(fetches) <= 1 or workers <= 1:
+        yield _claim_nothing
+        return
+    pool = cf.ThreadPoolExecutor(min(workers, len(fetches)), thread_name_prefix="ckpt-ahead")
+    lock = threading.Lock()
+    try:
+        futures = {key: pool.submit(fetch) for key, fetch in fetches.items()}
+
+        def claim(key: K) -> Callable[[], T] | None:
+            with lock:
+                future = futures.pop(key, None)
+            return None if future is None else future.result
+
+        yield claim
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _claim_nothing(key: Any) -> None:
+    """What `results_ahead` yields where nothing is fetched ahead."""
 
 
 def _deliver_nothing(use: Callable[[Any, Any], Any]) -> None:

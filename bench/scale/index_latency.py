@@ -4,9 +4,13 @@ another building would; data reads are not delayed. One or more source trees sid
 (before and after a change), each measurement in a fresh process, trees alternated:
 
     python -m scale.index_latency --source /tmp/before --source /work/main --latency-ms 20
-    (run from bench/; --op load|gc, --tensors N (default 50,000), --reps R (default 3))
+    (run from bench/; --op load|gc|incremental, --tensors N (default 50,000), --reps R
+    (default 3))
 
 * load: checkpoint "s" of `--tensors` 1 KiB tensors loaded whole (new tensors);
+* incremental: a restarted process's incremental save on top of "s", the last 10% of its
+  tensors changed (by a value no earlier repetition used: each writes them anew), its
+  parent's chunks learned from the parent's index segments;
 * gc: the reference pass of gc (`referenced_blobs()`) over `--checkpoints` checkpoints
   (default 10) of those tensors, each changing some from the one before: `--pattern tail`
   (default) the last 10% in the state's order (a model whose last layers train: the index
@@ -34,7 +38,16 @@ from typing import Any
 HERE = Path(__file__).resolve().parent.parent  # bench/
 
 
-def measure(folder: str, latency: float, op: str) -> dict[str, Any]:
+def _state(tensors: int, g: Any = None) -> dict[str, Any]:
+    """The state "s" holds: `tensors` 1 KiB tensors, the same for every tree (drawn from
+    `g`, default a generator seeded 0)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0) if g is None else g
+    return {f"t{i}": torch.randn(256, generator=g) for i in range(tensors)}
+
+
+def measure(folder: str, latency: float, op: str, tensors: int) -> dict[str, Any]:
     """Worker: `op` on the repository in `folder` (this process's ckptstore)."""
     import ckptstore
     from ckptstore.stores.local import LocalStore
@@ -50,10 +63,17 @@ def measure(folder: str, latency: float, op: str) -> dict[str, Any]:
                 ends.append(time.perf_counter())
             return data
 
+    state = _state(tensors) if op == "incremental" else {}
+    if state:
+        bump = float(time.time_ns() % 1_000_003 + 1)  # a value of this repetition alone
+        for i in range(tensors - max(1, tensors // 10), tensors):
+            state[f"t{i}"] += bump
     t0 = time.perf_counter()
     repo = ckptstore.CheckpointStore(Far(folder), create=False)
     if op == "load":
         repo.load("s")
+    elif op == "incremental":
+        repo.save(f"inc-{os.getpid()}", state, parent="s")
     else:
         repo.referenced_blobs()
     seconds = time.perf_counter() - t0
@@ -69,7 +89,7 @@ def _save(folder: str, tensors: int, checkpoints: int, pattern: str) -> None:
     import ckptstore
 
     g = torch.Generator().manual_seed(0)
-    state = {f"t{i}": torch.randn(256, generator=g) for i in range(tensors)}
+    state = _state(tensors, g)
     repo = ckptstore.CheckpointStore(folder)
     repo.save("s", state, parent=None)
     for k in range(1, checkpoints):
@@ -98,7 +118,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=50_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--latency-ms", type=float, default=20.0)
-    ap.add_argument("--op", choices=("load", "gc"), default="load")
+    ap.add_argument("--op", choices=("load", "gc", "incremental"), default="load")
     ap.add_argument("--checkpoints", type=int, default=10,
                     help="checkpoints of the gc operation (default 10)")
     ap.add_argument("--pattern", choices=("tail", "spread"), default="tail",
@@ -113,7 +133,8 @@ def main() -> None:
                   args.pattern)
             print(json.dumps({}))
         else:
-            print(json.dumps(measure(args.folder, args.latency_ms / 1000, args.op)))
+            print(json.dumps(measure(args.folder, args.latency_ms / 1000, args.op,
+                                     args.tensors)))
         return
     sources = args.source or [str(HERE.parent)]
     with tempfile.TemporaryDirectory(prefix="index-latency-") as tmp:
@@ -125,7 +146,7 @@ def main() -> None:
         for rep in range(args.reps):
             for source in sources:
                 got = _run(source, "--folder", folder, "--latency-ms", str(args.latency_ms),
-                           "--op", args.op)
+                           "--op", args.op, "--tensors", str(args.tensors))
                 results[source].append(got)
                 print(f"rep {rep + 1} {source} {args.op}, {args.latency_ms:g} ms per read: "
                       f"{got['seconds']:.3f} s, {got['index_reads']} reads, the last "

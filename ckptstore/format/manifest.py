@@ -18,6 +18,7 @@ import math
 import re
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Self, overload
 
@@ -481,6 +482,13 @@ class Manifest:
             yield from tables(skip)
         else:
             yield ChunkTable.of(self.tensors)
+
+    def index_read_ahead(self, workers: int) -> AbstractContextManager[None]:
+        """A block in which this manifest's index segments (version 3 read from a store) are
+        read ahead, for a pass inside it (`chunk_tables`, the entries) to take: see
+        `SegmentedEntries.bytes_read_ahead`. Nothing is read ahead otherwise."""
+        ahead = getattr(self.tensors, "bytes_read_ahead", None)
+        return nullcontext() if ahead is None else ahead(workers)
 
     def segment_refs(self) -> list[SegmentRef]:
         """The index segments of a version-3 manifest, in order ([] for earlier versions)."""

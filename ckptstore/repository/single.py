@@ -25,6 +25,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -224,22 +225,30 @@ class SingleStore(CheckpointStore, kind="single"):
         if name in later.taken or name in {n for _c, n in order} or self.exists(name):
             raise CheckpointExistsError(f"checkpoint {name!r} already exists in {self.uri}; it "
                                         "was not touched")
-        encoder = TreeEncoder()
-        with paused_collector():
-            tree = encoder.encode_state(call.state)
         # only chunks this store holds may be reused: the parent is its latest. Only the
         # parent's chunks are known to exist: chunks remembered from earlier saves may belong
         # to checkpoints deleted (and swept by retention or gc) since.
         parent_name = self.catalog.newest_whole(order) if parent == LATEST else parent
         known = KnownChunks()
+        parent_manifest = None
         if parent_name is not None and not (parent_name in later.taken
                                             and not self.exists(parent_name)):
             remembered = call.committer.known_chunks(parent_name)
             if remembered is not None:  # this process's part of the parent, kept from its save
                 known = remembered
             else:
-                known.add_manifest(self.catalog.manifest(parent_name))  # raises if nowhere
+                parent_manifest = self.catalog.manifest(parent_name)  # raises if nowhere
         # (a parent only a later tier holds: its chunks are not here, nothing is reused)
+        encoder = TreeEncoder()
+        # the parent's index segments are read while the state is encoded (a restarted
+        # process's incremental save would otherwise wait for their round trips after it)
+        reading = (nullcontext() if parent_manifest is None else
+                   parent_manifest.index_read_ahead(self.save_options.threads()))
+        with reading:
+            with paused_collector():
+                tree = encoder.encode_state(call.state)
+            if parent_manifest is not None:
+                known.add_manifest(parent_manifest)
         newest = max([c for c, _n in order[-1:]] + (
             [] if later.newest is None else [later.newest]), default=None)
         return SaveRequest(name, tree, encoder.leaves, metadata, parent_name,

@@ -1,8 +1,9 @@
-"""`OnceEach`, `run_concurrently`, `fetches_started` and `read_ahead`
+"""`OnceEach`, `run_concurrently`, `fetches_started`, `results_ahead` and `read_ahead`
 (ckptstore/concurrency.py), the pieces a load's prefetch of index segments and parts is
 made of: each key computed once however many threads ask, different keys at the same time,
 a failure not kept; a prefetch overlaps its calls and drops their errors for the later use
-to raise; fetched results are used on the calling thread; a read-ahead keeps its results in
+to raise; fetched results are used on the calling thread; results fetched ahead are
+claimed once each, errors raised by the claim; a read-ahead keeps its results in
 order, fetches a bounded number ahead, raises an error where it is reached and leaves no
 fetch running once it stops."""
 
@@ -21,6 +22,7 @@ from ckptstore.concurrency import (
     fetches_started,
     outcome,
     read_ahead,
+    results_ahead,
     run_concurrently,
 )
 from tests.helpers import wait_until
@@ -170,6 +172,37 @@ def test_fetches_started_and_never_delivered_are_cancelled_on_leaving() -> None:
     single = _Fetches(1)  # nothing to overlap: nothing fetched ahead, nothing delivered
     with fetches_started(dict(enumerate(single.calls)), workers=4) as deliver:
         deliver(lambda k, got: pytest.fail("nothing was fetched ahead"))
+    assert single.started == []
+
+
+def test_results_ahead_run_while_the_block_works_and_are_claimed_once_each() -> None:
+    fetches = _Fetches(6, fail_at=4)
+    with results_ahead(dict(enumerate(fetches.calls)), workers=3) as claim:
+        # the block's own work: the fetches run meanwhile
+        wait_until(lambda: len(fetches.started) == 6, what="every fetch started")
+        first = claim(2)
+        assert first is not None and first() == 20 and first() == 20
+        assert claim(2) is None  # claimed before: the caller fetches it itself
+        assert claim(99) is None  # never fetched ahead
+        failed = claim(4)
+        assert failed is not None
+        with pytest.raises(OSError, match="fetch 4 failed"):  # raised by the claim's call
+            failed()
+    assert 1 < fetches.most <= 3
+    assert threading.get_ident() not in fetches.threads
+
+
+def test_results_ahead_not_claimed_are_cancelled_on_leaving() -> None:
+    fetches = _Fetches(40)
+    before = threading.active_count()
+    with pytest.raises(KeyError):
+        with results_ahead(dict(enumerate(fetches.calls)), workers=2):
+            raise KeyError("the block failed before it claimed anything")
+    assert fetches.running == 0 and threading.active_count() == before
+    assert len(fetches.started) < 40
+    single = _Fetches(1)  # nothing to overlap: nothing fetched ahead
+    with results_ahead(dict(enumerate(single.calls)), workers=4) as claim:
+        assert claim(0) is None
     assert single.started == []
 
 

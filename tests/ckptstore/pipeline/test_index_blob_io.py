@@ -4,7 +4,8 @@ checkpoint (an incremental save learning its parent's chunks, space accounting) 
 a few at a time (SegmentedEntries._each_segment). The speed must change nothing else:
 
 - on a remote-like store the puts and the reads really overlap (a whole load's segment
-  reads with its tree pages' too);
+  reads with its tree pages' too, a restarted incremental save's parent segment reads with
+  the encoding of its state);
 - a put that fails leaves no checkpoint and no index blob of the batch in the folder, the
   earlier checkpoint loads, and the same save then commits;
 - an unchanged index blob is not put again by the next save (it is reused like data);
@@ -23,11 +24,12 @@ import torch
 
 from ckptstore import CheckpointStore, FormatError
 from ckptstore.errors import ObjectNotFoundError
+from ckptstore.format.tree import TreeEncoder
 from ckptstore.layout import blob_key
 from ckptstore.stores.base import DeferredPuts
 from ckptstore.stores.local import LocalStore
 from ckptstore.stores.memory import MemoryStore
-from tests.helpers import InFlight, assert_same
+from tests.helpers import InFlight, assert_same, wait_until
 
 TENSORS = 3000  # segmented (version 3): about a dozen segments and a few tree pages
 
@@ -192,6 +194,53 @@ def test_a_pass_over_every_segment_reads_them_side_by_side():
     extents = CheckpointStore(store).manifest("a").blob_extents()
     assert len(store.flight.keys) == len(segments) and store.flight.most > 1
     assert {r.digest for r in segments} <= set(extents)
+
+
+def test_a_restarted_incremental_save_reads_its_parent_while_it_encodes_its_state(
+        monkeypatch: pytest.MonkeyPatch):
+    store = _SlowReadStore(f"ahead-{os.getpid()}")
+    state = small_state(13)
+    CheckpointStore(store).save("a", state)
+    segments = CheckpointStore(store).manifest("a").segment_refs()
+    store.slow_keys = {blob_key(r.digest) for r in segments}
+    real = TreeEncoder.encode_state
+    seen_while_encoding: list[int] = []
+
+    def encode_state(self: TreeEncoder, obj):
+        # the encoding of the state waits until the parent's segments are being read: they
+        # are only if their reads began before it (else this times out)
+        wait_until(lambda: len(store.flight.keys) >= 8, what="segment reads while encoding")
+        seen_while_encoding.append(len(store.flight.keys))
+        return real(self, obj)
+
+    monkeypatch.setattr(TreeEncoder, "encode_state", encode_state)
+    changed = {**state, "blocks.3.p7": state["blocks.3.p7"] * 2}
+    info = CheckpointStore(store).save("b", changed)  # a fresh process's view: no memory
+    assert seen_while_encoding and store.flight.most > 1
+    assert sorted(store.flight.keys) == sorted(blob_key(r.digest) for r in segments)  # once
+    assert info.written_bytes < info.logical_bytes / 10  # the parent's chunks were reused
+    monkeypatch.setattr(TreeEncoder, "encode_state", real)
+    assert_same(CheckpointStore(store).load("b"), changed)
+
+
+def test_a_parent_index_over_the_read_ahead_budget_is_read_ahead_in_part():
+    store = _SlowReadStore(f"ahead-budget-{os.getpid()}")
+    state = small_state(14)
+    CheckpointStore(store).save("a", state)
+    manifest = CheckpointStore(store).manifest("a")
+    segments = manifest.segment_refs()
+    store.slow_keys = {blob_key(r.digest) for r in segments}
+    budget = segments[0].size + segments[1].size  # the first two, in order
+    with manifest.tensors.bytes_read_ahead(workers=8, budget=budget):
+        wait_until(lambda: len(store.flight.keys) == 2, what="the first two segments read")
+        time.sleep(0.05)
+        assert sorted(store.flight.keys) == sorted(blob_key(r.digest) for r in segments[:2])
+        tables = list(manifest.chunk_tables())  # the pass takes them, reads the rest
+    assert len(tables) == len(segments)
+    assert sorted(store.flight.keys) == sorted(blob_key(r.digest) for r in segments)  # once
+    fresh = CheckpointStore(store).manifest("a")  # the same chunks as without a read-ahead
+    assert [(t.blobs, t.offsets.tolist(), t.sizes.tolist()) for t in fresh.chunk_tables()] == [
+        (t.blobs, t.offsets.tolist(), t.sizes.tolist()) for t in tables]
 
 
 def test_gc_reads_a_segment_shared_by_checkpoints_once_and_finds_the_same_blobs():
