@@ -205,7 +205,8 @@ def results_ahead(fetches: dict[K, Callable[[], T]], workers: int
     """Fetches begun long before their results are used: run `fetches` on up to `workers`
     threads from entering the block, so the block's own work (encoding a state) overlaps
     them. The block's `claim(key)` gives, once per key, a call that waits for that result
-    and returns it or raises its error; None for a key not fetched ahead or claimed before
+    and returns it or raises its error (a fetch the block's end cancelled before it began
+    runs on the caller's thread then); None for a key not fetched ahead or claimed before
     (the caller then fetches it itself). Thread-safe. Leaving the block cancels the fetches
     not started and waits for those running; results not claimed are dropped. Nothing runs
     ahead where nothing can overlap (one fetch, or `workers` <= 1)."""
@@ -220,11 +221,20 @@ def results_ahead(fetches: dict[K, Callable[[], T]], workers: int
         def claim(key: K) -> Callable[[], T] | None:
             with lock:
                 future = futures.pop(key, None)
-            return None if future is None else future.result
+            return None if future is None else functools.partial(
+                _result_or_fetch, future, fetches[key])
 
         yield claim
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result_or_fetch(future: cf.Future[T], fetch: Callable[[], T]) -> T:
+    """`future`'s result; `fetch()` where it was cancelled before it began."""
+    try:
+        return future.result()
+    except cf.CancelledError:
+        return fetch()
 
 
 def _claim_nothing(key: Any) -> None:

@@ -672,7 +672,8 @@ class SegmentedEntries(Sequence[TensorEntry]):
         encodes its state. Only bytes are read ahead; decoding stays with the pass, on its
         thread (on two threads it would take turns with the block's own work). A read's
         error is raised by the access that takes it. Leaving the block drops what was not
-        taken."""
+        taken. Two blocks at once over one manifest (a cached parent of two saves) stay
+        correct: a pass takes a read either began, or reads the segment itself."""
         fetches: dict[int, Callable[[], bytes]] = {}
         room = budget
         for s, ref in enumerate(self.refs):

@@ -200,6 +200,11 @@ def test_results_ahead_not_claimed_are_cancelled_on_leaving() -> None:
             raise KeyError("the block failed before it claimed anything")
     assert fetches.running == 0 and threading.active_count() == before
     assert len(fetches.started) < 40
+    late = _Fetches(40)  # a result claimed inside, taken after the block cancelled it
+    with results_ahead(dict(enumerate(late.calls)), workers=2) as claim:
+        last = claim(39)
+    assert last is not None and 39 not in late.started
+    assert last() == 390 and late.threads >= {threading.get_ident()}  # fetched by the caller
     single = _Fetches(1)  # nothing to overlap: nothing fetched ahead
     with results_ahead(dict(enumerate(single.calls)), workers=4) as claim:
         assert claim(0) is None
