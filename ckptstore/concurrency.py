@@ -167,6 +167,22 @@ def run_concurrently(calls: list[Callable[[], Any]], workers: int) -> None:
 
 
 @contextmanager
+def _begun(fetches: dict[K, Callable[[], T]], workers: int, name: str
+           ) -> Iterator[dict[K, cf.Future[T]]]:
+    """The futures of `fetches`, run on up to `workers` threads from entering the block;
+    leaving it cancels those not started and waits for those running. {} where nothing can
+    overlap (one fetch, or `workers` <= 1): nothing is run."""
+    if len(fetches) <= 1 or workers <= 1:
+        yield {}
+        return
+    pool = cf.ThreadPoolExecutor(min(workers, len(fetches)), thread_name_prefix=name)
+    try:
+        yield {key: pool.submit(fetch) for key, fetch in fetches.items()}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextmanager
 def fetches_started(fetches: dict[K, Callable[[], T]], workers: int
                     ) -> Iterator[Callable[[Callable[[K, T], Any]], None]]:
     """A prefetch whose results need Python work: run `fetches` on up to `workers` threads,
@@ -177,12 +193,8 @@ def fetches_started(fetches: dict[K, Callable[[], T]], workers: int
     caller's later use to raise. Nothing is run where nothing can overlap (as
     `run_concurrently`). Leaving the block cancels the fetches not started and waits for
     those running, delivered or not."""
-    if len(fetches) <= 1 or workers <= 1:
-        yield _deliver_nothing
-        return
-    pool = cf.ThreadPoolExecutor(min(workers, len(fetches)), thread_name_prefix="ckpt-prefetch")
-    try:
-        keys = {pool.submit(fetch): key for key, fetch in fetches.items()}
+    with _begun(fetches, workers, "ckpt-prefetch") as futures:
+        keys = {future: key for key, future in futures.items()}
 
         def deliver(use: Callable[[K, T], Any]) -> None:
             for future in cf.as_completed(keys):
@@ -195,8 +207,6 @@ def fetches_started(fetches: dict[K, Callable[[], T]], workers: int
             keys.clear()
 
         yield deliver
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @contextmanager
@@ -210,13 +220,8 @@ def results_ahead(fetches: dict[K, Callable[[], T]], workers: int
     (the caller then fetches it itself). Thread-safe. Leaving the block cancels the fetches
     not started and waits for those running; results not claimed are dropped. Nothing runs
     ahead where nothing can overlap (one fetch, or `workers` <= 1)."""
-    if len(fetches) <= 1 or workers <= 1:
-        yield _claim_nothing
-        return
-    pool = cf.ThreadPoolExecutor(min(workers, len(fetches)), thread_name_prefix="ckpt-ahead")
     lock = threading.Lock()
-    try:
-        futures = {key: pool.submit(fetch) for key, fetch in fetches.items()}
+    with _begun(fetches, workers, "ckpt-ahead") as futures:
 
         def claim(key: K) -> Callable[[], T] | None:
             with lock:
@@ -225,8 +230,6 @@ def results_ahead(fetches: dict[K, Callable[[], T]], workers: int
                 _result_or_fetch, future, fetches[key])
 
         yield claim
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _result_or_fetch(future: cf.Future[T], fetch: Callable[[], T]) -> T:
@@ -235,14 +238,6 @@ def _result_or_fetch(future: cf.Future[T], fetch: Callable[[], T]) -> T:
         return future.result()
     except cf.CancelledError:
         return fetch()
-
-
-def _claim_nothing(key: Any) -> None:
-    """What `results_ahead` yields where nothing is fetched ahead."""
-
-
-def _deliver_nothing(use: Callable[[Any, Any], Any]) -> None:
-    """What `fetches_started` yields where nothing is fetched ahead."""
 
 
 def read_ahead(fetches: Sequence[Callable[[], T]], workers: int) -> Generator[T, None, None]:

@@ -621,7 +621,7 @@ class SegmentedEntries(Sequence[TensorEntry]):
         self._segments: OnceEach[int, list[TensorEntry]] = OnceEach(self._read)
         self._parsed = self._segments.done
         self._fetched: dict[int, bytes] = {}  # a prefetch's bytes, until decoded
-        self._ahead: Callable[[int], Callable[[], bytes] | None] = _none_ahead  # read_ahead_all
+        self._ahead: Callable[[int], Callable[[], bytes] | None] = _none_ahead  # bytes_read_ahead
         self._flat: list[TensorEntry] | None = None  # all entries, once every segment is read
 
     def __len__(self) -> int:
