@@ -170,9 +170,10 @@ def run_concurrently(calls: list[Callable[[], Any]], workers: int) -> None:
 def _begun(fetches: dict[K, Callable[[], T]], workers: int, name: str
            ) -> Iterator[dict[K, cf.Future[T]]]:
     """The futures of `fetches`, run on up to `workers` threads from entering the block;
-    leaving it cancels those not started and waits for those running. {} where nothing can
-    overlap (one fetch, or `workers` <= 1): nothing is run."""
-    if len(fetches) <= 1 or workers <= 1:
+    leaving it cancels those not started and waits for those running. {} where there are no
+    threads to run them on (`workers` <= 1): nothing is run. One fetch runs too: it overlaps
+    the block's own work."""
+    if not fetches or workers <= 1:
         yield {}
         return
     pool = cf.ThreadPoolExecutor(min(workers, len(fetches)), thread_name_prefix=name)
@@ -190,9 +191,8 @@ def fetches_started(fetches: dict[K, Callable[[], T]], workers: int
     The block calls what this yields, `deliver(use)`, to hand each result to `use(key,
     result)` on the calling thread as it arrives, once (work that holds the interpreter would
     only take turns on threads, each slowing the others). Errors of both are dropped, for the
-    caller's later use to raise. Nothing is run where nothing can overlap (as
-    `run_concurrently`). Leaving the block cancels the fetches not started and waits for
-    those running, delivered or not."""
+    caller's later use to raise. Nothing is run where `workers` <= 1. Leaving the block
+    cancels the fetches not started and waits for those running, delivered or not."""
     with _begun(fetches, workers, "ckpt-prefetch") as futures:
         keys = {future: key for key, future in futures.items()}
 
@@ -219,7 +219,7 @@ def results_ahead(fetches: dict[K, Callable[[], T]], workers: int
     runs on the caller's thread then); None for a key not fetched ahead or claimed before
     (the caller then fetches it itself). Thread-safe. Leaving the block cancels the fetches
     not started and waits for those running; results not claimed are dropped. Nothing runs
-    ahead where nothing can overlap (one fetch, or `workers` <= 1)."""
+    ahead where `workers` <= 1."""
     lock = threading.Lock()
     with _begun(fetches, workers, "ckpt-ahead") as futures:
 

@@ -18,7 +18,7 @@ import math
 import re
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Self, overload
 
@@ -483,12 +483,14 @@ class Manifest:
         else:
             yield ChunkTable.of(self.tensors)
 
-    def index_read_ahead(self, workers: int) -> AbstractContextManager[None]:
+    def index_read_ahead(self, workers: int, skip: Collection[str] = ()
+                         ) -> AbstractContextManager[None]:
         """A block in which this manifest's index segments (version 3 read from a store) are
         read ahead, for a pass inside it (`chunk_tables`, the entries) to take: see
-        `SegmentedEntries.bytes_read_ahead`. Nothing is read ahead otherwise."""
+        `SegmentedEntries.bytes_read_ahead` (`skip`: digests of segments not to read).
+        Nothing is read ahead otherwise."""
         ahead = getattr(self.tensors, "bytes_read_ahead", None)
-        return nullcontext() if ahead is None else ahead(workers)
+        return nullcontext() if ahead is None else ahead(workers, skip=skip)
 
     def segment_refs(self) -> list[SegmentRef]:
         """The index segments of a version-3 manifest, in order ([] for earlier versions)."""
@@ -620,6 +622,33 @@ class BlobUnion:
         then added)."""
         self.blobs |= manifest.blob_digests(self._segments)
         self._segments.update(r.digest for r in manifest.segment_refs())
+
+    def add_each(self, manifests: Iterable[Manifest]) -> None:
+        """`add` each of `manifests` in turn; while one is added, the segments of the next
+        that neither it nor an earlier one names are read ahead (`Manifest.index_read_ahead`),
+        so a store's round trips overlap from one checkpoint to the next. Two parsed
+        manifests are held at a time. Raises what taking the next manifest or adding one
+        raises (the read-ahead is then dropped)."""
+        following = iter(manifests)
+        current = next(following, None)
+        current_ahead = ExitStack()  # the read-ahead of `current`, begun a turn before
+        try:
+            while current is not None:
+                after = next(following, None)
+                after_ahead = ExitStack()
+                try:
+                    if after is not None:
+                        named = {r.digest for r in current.segment_refs()}
+                        after_ahead.enter_context(after.index_read_ahead(  # the fewest
+                            0, skip=self._segments | named))  # threads a read-ahead uses
+                    self.add(current)
+                except BaseException:
+                    after_ahead.close()
+                    raise
+                current_ahead.close()
+                current, current_ahead = after, after_ahead
+        finally:
+            current_ahead.close()
 
 
 _HI = 1 << 62  # `_int`'s default upper bound

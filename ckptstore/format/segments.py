@@ -664,7 +664,8 @@ class SegmentedEntries(Sequence[TensorEntry]):
             yield functools.partial(deliver, self._arrived)
 
     @contextmanager
-    def bytes_read_ahead(self, workers: int, budget: int = READ_AHEAD_BYTES) -> Iterator[None]:
+    def bytes_read_ahead(self, workers: int, budget: int = READ_AHEAD_BYTES,
+                         skip: Collection[str] = ()) -> Iterator[None]:
         """Read the bytes of the segments not parsed yet (in order, up to `budget` bytes of
         them) `workers` (at least INDEX_READ_THREADS) at a time from entering the block, for
         the block's later pass over them (`chunk_columns`, `chunk_tables`, `segment`) to take
@@ -673,11 +674,13 @@ class SegmentedEntries(Sequence[TensorEntry]):
         thread (on two threads it would take turns with the block's own work). A read's
         error is raised by the access that takes it. Leaving the block drops what was not
         taken. Two blocks at once over one manifest (a cached parent of two saves) stay
-        correct: a pass takes a read either began, or reads the segment itself."""
+        correct: a pass takes a read either began, or reads the segment itself. Segments
+        whose digest is in `skip` are not read ahead (a pass over many checkpoints that
+        reads each distinct segment once: `BlobUnion.add_each`)."""
         fetches: dict[int, Callable[[], bytes]] = {}
         room = budget
         for s, ref in enumerate(self.refs):
-            if s in self._parsed:
+            if s in self._parsed or ref.digest in skip:
                 continue
             if ref.size > room:
                 break
@@ -761,11 +764,17 @@ class SegmentedEntries(Sequence[TensorEntry]):
         than that many segments' bytes."""
         known = [(s, self._parsed.get(s)) for s, ref in enumerate(self.refs)
                  if ref.digest not in skip]
-        with closing(read_ahead([functools.partial(outcome, self._fetch(s))
-                                 for s, got in known if got is None],
+        # reads begun ahead (bytes_read_ahead) are taken as they are, the others read here
+        ahead = {s: self._ahead(s) for s, got in known if got is None}
+        with closing(read_ahead([functools.partial(outcome, functools.partial(
+                                     self._bytes, self.refs[s]))
+                                 for s, claimed in ahead.items() if claimed is None],
                                 SEGMENT_READ_AHEAD)) as fetched:
             for s, got in known:
-                yield (s, got, None) if got is not None else (s, [], next(fetched))
+                if got is not None:
+                    yield s, got, None
+                else:
+                    yield s, [], ahead[s] or next(fetched)
 
     @overload
     def __getitem__(self, i: int) -> TensorEntry: ...

@@ -14,7 +14,7 @@ from __future__ import annotations
 import builtins
 import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ..errors import (
@@ -296,13 +296,19 @@ class TieredStore(CheckpointStore, kind="tiered"):
 
     def referenced_blobs(self) -> set[str]:
         union = BlobUnion()  # each index segment read once
-        for name in self.names():
-            try:  # one parsed manifest at a time: not cached
-                union.add(self._manifest_of(name, cache=False))
-            except CheckpointNotFoundError:
-                continue
-            except CkptStoreError as exc:
-                raise CkptStoreError(f"gc stopped, nothing deleted: {exc}") from exc
+
+        def manifests() -> Iterator[Manifest]:
+            for name in self.names():
+                try:  # two parsed manifests at a time (add_each): not cached
+                    manifest = self._manifest_of(name, cache=False)
+                except CheckpointNotFoundError:
+                    continue
+                yield manifest
+
+        try:
+            union.add_each(manifests())
+        except CkptStoreError as exc:
+            raise CkptStoreError(f"gc stopped, nothing deleted: {exc}") from exc
         return union.blobs
 
     def gc(self, grace_seconds: float = 3600.0, dry_run: bool = False, *, wait: float = 0.0,

@@ -117,9 +117,10 @@ def test_fetches_overlap_and_their_results_are_used_on_the_calling_thread() -> N
     assert len(started) == 5 and max(started) - min(started) < 0.09  # side by side
     me = threading.current_thread().name
     assert sorted(used) == [(k, f"bytes {k}", me) for k in (0, 1, 4)]
-    fetch_all({0: functools.partial(fetch, 0)}, use, workers=8)  # nothing to overlap
-    fetch_all({k: functools.partial(fetch, k) for k in (0, 1)}, use, workers=1)
-    assert len(started) == 5
+    fetch_all({0: functools.partial(fetch, 0)}, use, workers=8)  # overlaps the block's work
+    assert len(started) == 6 and sorted(used)[:2] == [(0, "bytes 0", me)] * 2
+    fetch_all({k: functools.partial(fetch, k) for k in (0, 1)}, use, workers=1)  # no threads
+    assert len(started) == 6
 
 
 class _Fetches:
@@ -169,10 +170,16 @@ def test_fetches_started_and_never_delivered_are_cancelled_on_leaving() -> None:
             raise KeyError("the block failed before it used the fetches")
     assert fetches.running == 0 and threading.active_count() == before
     assert len(fetches.started) < 40
-    single = _Fetches(1)  # nothing to overlap: nothing fetched ahead, nothing delivered
+    single = _Fetches(1)  # one fetch overlaps the block's own work: begun on entering it
+    got: list[tuple[int, int]] = []
     with fetches_started(dict(enumerate(single.calls)), workers=4) as deliver:
-        deliver(lambda k, got: pytest.fail("nothing was fetched ahead"))
-    assert single.started == []
+        wait_until(lambda: single.started == [0], what="the one fetch begun")
+        deliver(lambda k, result: got.append((k, result)))
+    assert got == [(0, 0)] and threading.get_ident() not in single.threads
+    alone = _Fetches(3)  # no threads to run them on: nothing fetched ahead, nothing delivered
+    with fetches_started(dict(enumerate(alone.calls)), workers=1) as deliver:
+        deliver(lambda k, result: pytest.fail("nothing was fetched ahead"))
+    assert alone.started == []
 
 
 def test_results_ahead_run_while_the_block_works_and_are_claimed_once_each() -> None:
@@ -205,10 +212,16 @@ def test_results_ahead_not_claimed_are_cancelled_on_leaving() -> None:
         last = claim(39)
     assert last is not None and 39 not in late.started
     assert last() == 390 and late.threads >= {threading.get_ident()}  # fetched by the caller
-    single = _Fetches(1)  # nothing to overlap: nothing fetched ahead
+    single = _Fetches(1)  # one fetch overlaps the block's own work: begun on entering it
     with results_ahead(dict(enumerate(single.calls)), workers=4) as claim:
+        wait_until(lambda: single.started == [0], what="the one fetch begun")
+        only = claim(0)
+        assert only is not None and only() == 0
+    assert threading.get_ident() not in single.threads
+    alone = _Fetches(3)  # no threads to run them on: nothing fetched ahead
+    with results_ahead(dict(enumerate(alone.calls)), workers=1) as claim:
         assert claim(0) is None
-    assert single.started == []
+    assert alone.started == []
 
 
 def test_read_ahead_keeps_order_overlaps_and_stays_bounded() -> None:

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import CheckpointStore, FormatError
+from ckptstore import CheckpointStore, CkptStoreError, FormatError
 from ckptstore.errors import ObjectNotFoundError
+from ckptstore.format.manifest import BlobUnion
 from ckptstore.format.tree import TreeEncoder
 from ckptstore.layout import blob_key
 from ckptstore.stores.base import DeferredPuts
@@ -263,6 +264,62 @@ def test_gc_reads_a_segment_shared_by_checkpoints_once_and_finds_the_same_blobs(
     assert CheckpointStore(store).gc(grace_seconds=0).referenced_blobs > 0
     assert_same(CheckpointStore(store).load("c"), state)
     assert CheckpointStore(store).verify("b").ok
+
+
+def _three_checkpoints(store: _SlowReadStore) -> tuple[CheckpointStore, list[set[str]]]:
+    """Checkpoints a, b, c of one state, each changing a tensor of another segment; the
+    digests of each one's index segments."""
+    repo = CheckpointStore(store)
+    state = small_state(15)
+    repo.save("a", state)
+    for name, changed in (("b", "blocks.2.p1"), ("c", "blocks.25.p3")):
+        state = {**state, changed: state[changed] + 1}
+        repo.save(name, state)
+    fresh = CheckpointStore(store)
+    return repo, [{r.digest for r in fresh.manifest(n).segment_refs()} for n in "abc"]
+
+
+def test_gc_reads_the_next_checkpoints_new_segments_while_it_adds_one(
+        monkeypatch: pytest.MonkeyPatch):
+    store = _SlowReadStore(f"next-{os.getpid()}")
+    _repo, (in_a, in_b, in_c) = _three_checkpoints(store)
+    new_in_b, new_in_c = in_b - in_a, in_c - in_a - in_b
+    assert new_in_b and new_in_c
+    each = set().union(*(CheckpointStore(store).manifest(n).blob_digests() for n in "abc"))
+    store.slow_keys = {blob_key(d) for d in in_a | in_b | in_c}
+    real = BlobUnion.add
+    added: list[str] = []
+
+    def add(self: BlobUnion, manifest):
+        # adding a checkpoint waits until the next one's new segments are being read: they
+        # are only if their reads began before it (else this times out)
+        following = {"a": new_in_b, "b": new_in_c}.get(manifest.name, set())
+        wait_until(lambda: {blob_key(d) for d in following} <= set(store.flight.keys),
+                   what=f"the segments after {manifest.name} read while it is added")
+        added.append(manifest.name)
+        return real(self, manifest)
+
+    monkeypatch.setattr(BlobUnion, "add", add)
+    assert CheckpointStore(store).referenced_blobs() == each
+    assert added == ["a", "b", "c"]
+    # each distinct segment read once, the shared ones not again for the next checkpoint
+    assert sorted(store.flight.keys) == sorted(blob_key(d) for d in in_a | in_b | in_c)
+
+
+def test_a_missing_segment_of_the_next_checkpoint_stops_gc_deleting_nothing():
+    store = _SlowReadStore(f"next-missing-{os.getpid()}")
+    repo, (in_a, in_b, in_c) = _three_checkpoints(store)
+    repo.delete("a")  # its own blobs would go
+    lost = sorted(in_c - in_a - in_b)[0]
+    store.missing = {blob_key(lost)}
+    before = {o.key for o in store.list("blobs/")}
+    later = time.time() + 3600  # every blob old enough to go, unless referenced
+    with pytest.raises(CkptStoreError, match="gc stopped, nothing deleted"):
+        CheckpointStore(store).gc(grace_seconds=0, now=later)
+    assert {o.key for o in store.list("blobs/")} == before
+    store.missing = set()
+    assert CheckpointStore(store).gc(grace_seconds=0, now=later).deleted_blobs > 0
+    assert CheckpointStore(store).verify("b").ok and CheckpointStore(store).verify("c").ok
 
 
 def test_a_missing_segment_fails_the_incremental_save_that_reads_it():
