@@ -4,7 +4,7 @@ another building would; data reads are not delayed. One or more source trees sid
 (before and after a change), each measurement in a fresh process, trees alternated:
 
     python -m scale.index_latency --source /tmp/before --source /work/main --latency-ms 20
-    (run from bench/; --op load|gc|incremental, --tensors N (default 50,000), --reps R
+    (run from bench/; --op load|gc|du|incremental, --tensors N (default 50,000), --reps R
     (default 3))
 
 * load: checkpoint "s" of `--tensors` 1 KiB tensors loaded whole (new tensors);
@@ -15,7 +15,9 @@ another building would; data reads are not delayed. One or more source trees sid
   (default 10) of those tensors, each changing some from the one before: `--pattern tail`
   (default) the last 10% in the state's order (a model whose last layers train: the index
   segments of the others are shared by every checkpoint), `spread` 1% at random (nearly
-  every segment holds a changed tensor: little is shared).
+  every segment holds a changed tensor: little is shared);
+* du: the space accounting of `ckpt du` (`inspection.live_bytes` over `each_manifest`: the
+  pass `ckpt ls` and `ckpt du` make) over the same checkpoints as gc.
 
 Reported per tree and repetition: the operation's seconds (from opening the repository,
 imports excluded), the whole-object reads made, and when the last of them ended. With
@@ -74,6 +76,10 @@ def measure(folder: str, latency: float, op: str, tensors: int) -> dict[str, Any
         repo.load("s")
     elif op == "incremental":
         repo.save(f"inc-{os.getpid()}", state, parent="s")
+    elif op == "du":
+        from ckptstore.tools import inspection
+
+        inspection.live_bytes(repo.each_manifest([]))
     else:
         repo.referenced_blobs()
     seconds = time.perf_counter() - t0
@@ -83,7 +89,7 @@ def measure(folder: str, latency: float, op: str, tensors: int) -> dict[str, Any
 
 def _save(folder: str, tensors: int, checkpoints: int, pattern: str) -> None:
     """Worker: the checkpoints every tree reads (saved once, by the first tree): "s", then
-    for gc more, each with some tensors changed from the one before (`pattern`)."""
+    for gc and du more, each with some tensors changed from the one before (`pattern`)."""
     import torch
 
     import ckptstore
@@ -118,18 +124,19 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=50_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--latency-ms", type=float, default=20.0)
-    ap.add_argument("--op", choices=("load", "gc", "incremental"), default="load")
+    ap.add_argument("--op", choices=("load", "gc", "du", "incremental"), default="load")
     ap.add_argument("--checkpoints", type=int, default=10,
-                    help="checkpoints of the gc operation (default 10)")
+                    help="checkpoints of the gc and du operations (default 10)")
     ap.add_argument("--pattern", choices=("tail", "spread"), default="tail",
-                    help="which tensors each checkpoint of the gc operation changes")
+                    help="which tensors each checkpoint of the gc and du operations changes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         if args.save:
-            _save(args.folder, args.tensors, args.checkpoints if args.op == "gc" else 1,
+            _save(args.folder, args.tensors,
+                  args.checkpoints if args.op in ("gc", "du") else 1,
                   args.pattern)
             print(json.dumps({}))
         else:

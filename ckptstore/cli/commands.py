@@ -101,8 +101,7 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
         problems: list[ManifestProblem] = []
         scan = inspection.UsageScan()
         rows: list[dict[str, Any]] = []
-        for m in repo.each_manifest(problems):
-            scan.add(m)
+        for m in scan.added(repo.each_manifest(problems)):
             rows.append({"name": m.name, "created": iso_time(m.created),
                          "created_unix": m.created, "parent": m.parent, "metadata": m.metadata,
                          "tensors": len(m.tensors)})
@@ -244,8 +243,7 @@ def cmd_du(args: argparse.Namespace, out: Output) -> int:
         problems: list[ManifestProblem] = []
         scan = inspection.UsageScan(live=True)
         checkpoints = 0
-        for m in repo.each_manifest(problems):  # one parsed manifest at a time
-            scan.add(m)
+        for _m in scan.added(repo.each_manifest(problems)):  # two parsed at a time
             checkpoints += 1
         errors = _errors_of(problems)
         sizes: dict[str, int] = {}

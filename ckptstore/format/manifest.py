@@ -466,10 +466,7 @@ class Manifest:
             # entries in memory (a writer's): the parts of its parted segments, computed
             ext.update((r.digest, r.size) for e in self.segment_blobs() for r, _d in e.parts)
         for table in self.chunk_tables() if tables is None else tables:
-            ext.update((r.digest, r.size) for r in table.parts)  # read from a store
-            for blob, end in table.extents().items():
-                if end > ext.get(blob, -1):
-                    ext[blob] = end
+            _fold_extents(ext, table.parts_and_extents())  # parts: read from a store
         return ext
 
     def chunk_tables(self, skip: Collection[str] = ()) -> Iterator[ChunkTable]:
@@ -607,6 +604,58 @@ class Manifest:
         return ok
 
 
+def _fold_extents(ext: dict[str, int], more: dict[str, int]) -> None:
+    """Fold blob extents `more` into `ext`: each blob to the furthest byte either uses."""
+    for blob, end in more.items():
+        if end > ext.get(blob, -1):
+            ext[blob] = end
+
+
+class SegmentExtents:
+    """`Manifest.blob_extents` of many checkpoints, each index segment read once however
+    many of them name it: a segment is named by its content, so the same digest uses the
+    same blobs to the same bytes. For space accounting over a repository (`ckpt ls`, `ckpt
+    du`), where checkpoints that froze part of a model share that part's segments. Keeps the
+    extents of every distinct segment read; blob names are interned (`name`)."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, dict[str, int]] = {}
+        self._names: dict[str, str] = {}
+
+    def name(self, blob: str) -> str:
+        """The one string kept for `blob`."""
+        return self._names.setdefault(blob, blob)
+
+    def read(self) -> Collection[str]:
+        """The digests of the segments read so far."""
+        return self._of.keys()
+
+    def of(self, manifest: Manifest, on_table: Callable[[ChunkTable], object] | None = None
+           ) -> dict[str, int]:
+        """{blob: the bytes of it `manifest` uses}, as `blob_extents` gives; `on_table` sees
+        the chunk table of each segment this call reads (none that an earlier call read), or
+        of all the entries of a manifest without segments read from a store. Raises what
+        reading a segment raises."""
+        refs = getattr(manifest.tensors, "refs", None)
+        if manifest.version < SEGMENTED_VERSION or refs is None:
+            tables = list(manifest.chunk_tables())
+            for table in tables:
+                if on_table is not None:
+                    on_table(table)
+            return {self.name(b): end for b, end in manifest.blob_extents(tables).items()}
+        known = frozenset(self._of)
+        new = [r for r in refs if r.digest not in known]
+        for ref, table in zip(new, manifest.chunk_tables(known), strict=True):
+            self._of[ref.digest] = {self.name(b): end
+                                    for b, end in table.parts_and_extents().items()}
+            if on_table is not None:
+                on_table(table)
+        ext = {self.name(r.digest): r.size for r in manifest.index_blobs()}
+        for ref in refs:
+            _fold_extents(ext, self._of[ref.digest])
+        return ext
+
+
 class BlobUnion:
     """The blobs of many checkpoints as one set (`blobs`), each index segment read once
     however many of them name it: a segment is named by its content, so one already read
@@ -624,31 +673,39 @@ class BlobUnion:
         self._segments.update(r.digest for r in manifest.segment_refs())
 
     def add_each(self, manifests: Iterable[Manifest]) -> None:
-        """`add` each of `manifests` in turn; while one is added, the segments of the next
-        that neither it nor an earlier one names are read ahead (`Manifest.index_read_ahead`),
-        so a store's round trips overlap from one checkpoint to the next. Two parsed
-        manifests are held at a time. Raises what taking the next manifest or adding one
-        raises (the read-ahead is then dropped)."""
-        following = iter(manifests)
-        current = next(following, None)
-        current_ahead = ExitStack()  # the read-ahead of `current`, begun a turn before
-        try:
-            while current is not None:
-                after = next(following, None)
-                after_ahead = ExitStack()
-                try:
-                    if after is not None:
-                        named = {r.digest for r in current.segment_refs()}
-                        after_ahead.enter_context(after.index_read_ahead(  # the fewest
-                            0, skip=self._segments | named))  # threads a read-ahead uses
-                    self.add(current)
-                except BaseException:
-                    after_ahead.close()
-                    raise
-                current_ahead.close()
-                current, current_ahead = after, after_ahead
-        finally:
+        """`add` each of `manifests` in turn, the next one's new segments read meanwhile
+        (`with_next_read_ahead`). Raises what taking the next manifest or adding one raises."""
+        for manifest in with_next_read_ahead(manifests, lambda: self._segments):
+            self.add(manifest)
+
+
+def with_next_read_ahead(manifests: Iterable[Manifest], known: Callable[[], Collection[str]]
+                         ) -> Iterator[Manifest]:
+    """Each of `manifests` in turn for a pass that reads every distinct index segment once
+    (gc's references, space accounting); while the caller uses one, the segments of the
+    next that neither it nor `known()` (the segments the pass has read) names are read ahead
+    (`Manifest.index_read_ahead`), so a store's round trips overlap from one checkpoint to
+    the next. Two parsed manifests are held at a time. Stopping early drops the read-ahead."""
+    following = iter(manifests)
+    current = next(following, None)
+    current_ahead = ExitStack()  # the read-ahead of `current`, begun a turn before
+    try:
+        while current is not None:
+            after = next(following, None)
+            after_ahead = ExitStack()
+            try:
+                if after is not None:
+                    skip = {r.digest for r in current.segment_refs()}.union(known())
+                    # 0 workers: the fewest threads a read-ahead uses
+                    after_ahead.enter_context(after.index_read_ahead(0, skip=skip))
+                yield current
+            except BaseException:
+                after_ahead.close()
+                raise
             current_ahead.close()
+            current, current_ahead = after, after_ahead
+    finally:
+        current_ahead.close()
 
 
 _HI = 1 << 62  # `_int`'s default upper bound

@@ -132,6 +132,12 @@ class ChunkTable:
         np.maximum.at(ends, self.blob_index, self.offsets + self.sizes)
         return {self.blobs[i]: int(ends[i]) for i in np.unique(self.blob_index).tolist()}
 
+    def parts_and_extents(self) -> dict[str, int]:
+        """`extents`, and each part blob the table was read from whole."""
+        ext = {r.digest: r.size for r in self.parts}
+        ext.update(self.extents())
+        return ext
+
     def ranges(self) -> Iterator[tuple[str, int, int]]:
         """(blob, offset, size) of every chunk."""
         names = self.blobs

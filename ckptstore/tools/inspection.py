@@ -18,14 +18,15 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from ..format import dtypes
-from ..format.manifest import Manifest, TensorEntry
+from ..format.manifest import Manifest, SegmentExtents, TensorEntry, with_next_read_ahead
+from ..format.segment_encoding import ChunkTable
 from ..format.tree import key_string, node_kind
 
 
@@ -141,8 +142,8 @@ def live_bytes(manifests: Iterable[Manifest]) -> int:
     """Stored bytes of the distinct chunks these manifests reference (a byte range of a pack
     counts, not the whole pack): what the checkpoints need, against what their blobs hold."""
     scan = UsageScan(live=True)
-    for m in manifests:
-        scan.add(m)
+    for _m in scan.added(manifests):
+        pass
     return scan.live_bytes
 
 
@@ -187,25 +188,33 @@ class UsageScan:
     def __init__(self, *, live: bool = False) -> None:
         self._rows: list[tuple[str, int, frozenset[str]]] = []
         self._extents: dict[str, int] = {}
-        self._interned: dict[str, str] = {}
+        self._segments = SegmentExtents()  # each distinct index segment read once
         self._ranges: set[tuple[str, int, int]] | None = set() if live else None
 
     def add(self, manifest: Manifest) -> None:
         """Account one checkpoint: the blobs of its chunks and of its index segments (version
-        3: read as chunk tables, no entries built)."""
-        ext, interned, ranges = self._extents, self._interned, self._ranges
-        tables = list(manifest.chunk_tables())
-        blobs: set[str] = set()
-        for blob, end in manifest.blob_extents(tables).items():
-            blob = interned.setdefault(blob, blob)
-            blobs.add(blob)
+        3: read as chunk tables, no entries built; a segment an earlier checkpoint named is
+        not read again)."""
+        ext, ranges, name = self._extents, self._ranges, self._segments.name
+
+        def chunk_ranges(table: ChunkTable) -> None:
+            if ranges is not None:  # (blob names interned once per table)
+                ranges.update(replace(table, blobs=tuple(map(name, table.blobs))).ranges())
+
+        blobs = self._segments.of(manifest, chunk_ranges)
+        for blob, end in blobs.items():
             if end > ext.get(blob, -1):
                 ext[blob] = end
         if ranges is not None:
-            for table in tables:
-                ranges.update((interned[b], o, n) for b, o, n in table.ranges())
-            ranges.update((interned[r.digest], 0, r.size) for r in manifest.segment_refs())
+            ranges.update((name(r.digest), 0, r.size) for r in manifest.segment_refs())
         self._rows.append((manifest.name, manifest.logical_bytes, frozenset(blobs)))
+
+    def added(self, manifests: Iterable[Manifest]) -> Iterator[Manifest]:
+        """`add` each of `manifests`, then give it to the caller (a listing's rows); the
+        next one's segments not read yet are read meanwhile (`with_next_read_ahead`)."""
+        for manifest in with_next_read_ahead(manifests, self._segments.read):
+            self.add(manifest)
+            yield manifest
 
     @property
     def live_bytes(self) -> int:
@@ -251,8 +260,8 @@ class UsageScan:
 def usage(manifests: list[Manifest], blob_sizes: Mapping[str, int] | None = None) -> StoreUsage:
     """Space accounting over a repository's manifests (see the module docstring)."""
     scan = UsageScan()
-    for m in manifests:
-        scan.add(m)
+    for _m in scan.added(manifests):
+        pass
     return scan.usage(blob_sizes)
 
 

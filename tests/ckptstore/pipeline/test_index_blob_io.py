@@ -30,6 +30,7 @@ from ckptstore.layout import blob_key
 from ckptstore.stores.base import DeferredPuts
 from ckptstore.stores.local import LocalStore
 from ckptstore.stores.memory import MemoryStore
+from ckptstore.tools import inspection
 from tests.helpers import InFlight, assert_same, wait_until
 
 TENSORS = 3000  # segmented (version 3): about a dozen segments and a few tree pages
@@ -279,18 +280,20 @@ def _three_checkpoints(store: _SlowReadStore) -> tuple[CheckpointStore, list[set
     return repo, [{r.digest for r in fresh.manifest(n).segment_refs()} for n in "abc"]
 
 
-def test_gc_reads_the_next_checkpoints_new_segments_while_it_adds_one(
-        monkeypatch: pytest.MonkeyPatch):
-    store = _SlowReadStore(f"next-{os.getpid()}")
+@pytest.mark.parametrize("scan", ["gc", "du"])
+def test_a_pass_over_checkpoints_reads_the_next_ones_new_segments_while_it_adds_one(
+        monkeypatch: pytest.MonkeyPatch, scan: str):
+    store = _SlowReadStore(f"next-{scan}-{os.getpid()}")
     _repo, (in_a, in_b, in_c) = _three_checkpoints(store)
     new_in_b, new_in_c = in_b - in_a, in_c - in_a - in_b
     assert new_in_b and new_in_c
     each = set().union(*(CheckpointStore(store).manifest(n).blob_digests() for n in "abc"))
     store.slow_keys = {blob_key(d) for d in in_a | in_b | in_c}
-    real = BlobUnion.add
+    pass_class = BlobUnion if scan == "gc" else inspection.UsageScan
+    real = pass_class.add
     added: list[str] = []
 
-    def add(self: BlobUnion, manifest):
+    def add(self, manifest):
         # adding a checkpoint waits until the next one's new segments are being read: they
         # are only if their reads began before it (else this times out)
         following = {"a": new_in_b, "b": new_in_c}.get(manifest.name, set())
@@ -299,10 +302,36 @@ def test_gc_reads_the_next_checkpoints_new_segments_while_it_adds_one(
         added.append(manifest.name)
         return real(self, manifest)
 
-    monkeypatch.setattr(BlobUnion, "add", add)
-    assert CheckpointStore(store).referenced_blobs() == each
+    monkeypatch.setattr(pass_class, "add", add)
+    repo = CheckpointStore(store)
+    if scan == "gc":
+        assert repo.referenced_blobs() == each
+    else:
+        use = inspection.usage([repo.manifest(n) for n in "abc"])
+        assert use.referenced_blobs == len(each)
     assert added == ["a", "b", "c"]
     # each distinct segment read once, the shared ones not again for the next checkpoint
+    assert sorted(store.flight.keys) == sorted(blob_key(d) for d in in_a | in_b | in_c)
+
+
+def test_space_accounting_reads_a_segment_shared_by_checkpoints_once():
+    store = _SlowReadStore(f"usage-{os.getpid()}")
+    _repo, (in_a, in_b, in_c) = _three_checkpoints(store)
+    fresh = [CheckpointStore(store).manifest(n) for n in "abc"]  # each read whole below
+    extents = [m.blob_extents() for m in fresh]
+    ranges = {r for m in fresh for t in m.chunk_tables() for r in t.ranges()} | {
+        (r.digest, 0, r.size) for m in fresh for r in m.segment_refs()}
+    store.slow_keys = {blob_key(d) for d in in_a | in_b | in_c}
+    repo = CheckpointStore(store)
+    use = inspection.usage([repo.manifest(n) for n in "abc"])
+    assert sorted(store.flight.keys) == sorted(blob_key(d) for d in in_a | in_b | in_c)
+    assert [(u.name, u.referenced_bytes, u.blobs) for u in use.checkpoints] == [
+        (n, sum(ext.values()), len(ext)) for n, ext in zip("abc", extents)]
+    assert use.referenced_blobs == len(set().union(*extents))
+    assert any(u.unique_blobs for u in use.checkpoints)  # each changed a tensor of its own
+    store.flight.reset()
+    live = inspection.live_bytes(CheckpointStore(store).manifest(n) for n in "abc")
+    assert live == sum(size for _blob, _offset, size in ranges)
     assert sorted(store.flight.keys) == sorted(blob_key(d) for d in in_a | in_b | in_c)
 
 
