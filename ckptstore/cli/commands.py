@@ -97,7 +97,7 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
 
         return cmd_ls_tiers(args, out)
     with open_repo(args.uri, args) as repo:
-        # one parsed manifest at a time: each is summarized, then dropped
+        # two parsed manifests at a time (UsageScan.added): each summarized, then dropped
         problems: list[ManifestProblem] = []
         scan = inspection.UsageScan()
         rows: list[dict[str, Any]] = []

@@ -10,8 +10,9 @@ object: a listing whose name, size and modification time are unchanged reuses th
 before, so a save in a repository of 500 checkpoints costs one listing, not 500 reads; a
 fresh process starts from the times a saving process recorded (order_hint.py). Only
 the manifests asked for are parsed; a pass over every manifest (`scan`, `in_turn` for list,
-ls, du, gc) does not cache what it reads, so it holds one parsed manifest at a time, while
-the bytes of the next few are read side by side. `latest` is the newest whole checkpoint in
+ls, du, gc) does not cache what it reads, so it holds one parsed manifest at a time (the
+passes of ls, du and gc two: they read the next one's index segments meanwhile), while the
+bytes of the next few are read side by side. `latest` is the newest whole checkpoint in
 that order, never a stored pointer.
 """
 

@@ -10,7 +10,8 @@
 * Diffs compare raw-content digests only (no tensor data is read), so a change of codec is not
   a change; tensors chunked differently cannot be compared by digest and count as changed.
 * Space accounting (`usage`, `live_bytes`) also takes manifests one at a time (`UsageScan`):
-  `ckpt ls` and `du` stream a repository's manifests through it, one parsed at a time.
+  `ckpt ls` and `du` stream a repository's manifests through it, two parsed at a time, each
+  distinct index segment read once.
 """
 
 from __future__ import annotations
@@ -179,11 +180,13 @@ class StoreUsage:
 
 
 class UsageScan:
-    """`usage` and `live_bytes` over manifests given one at a time (`add`), so that a pass
-    over a repository holds one parsed manifest at a time: of each checkpoint it keeps its
-    name, logical bytes and the blobs it references; over all, the furthest byte any chunk
-    uses in each blob and (`live`) the distinct chunk ranges. Digests are interned: a blob
-    many checkpoints share is one string."""
+    """`usage` and `live_bytes` over manifests given one at a time (`add`, or `added` over
+    many: the next one's segments read meanwhile), so that a pass over a repository holds
+    two parsed manifests at a time: of each checkpoint it keeps its name, logical bytes and
+    the blobs it references; over all, the furthest byte any chunk uses in each blob,
+    (`live`) the distinct chunk ranges, and the extents of each distinct index segment, read
+    once however many checkpoints name it (SegmentExtents). Digests are interned: a blob many
+    checkpoints share is one string."""
 
     def __init__(self, *, live: bool = False) -> None:
         self._rows: list[tuple[str, int, frozenset[str]]] = []
