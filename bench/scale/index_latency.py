@@ -4,8 +4,8 @@ another building would; data reads are not delayed. One or more source trees sid
 (before and after a change), each measurement in a fresh process, trees alternated:
 
     python -m scale.index_latency --source /tmp/before --source /work/main --latency-ms 20
-    (run from bench/; --op load|gc|du|incremental, --tensors N (default 50,000), --reps R
-    (default 3))
+    (run from bench/; --op load|gc|du|verify|incremental, --tensors N (default 50,000),
+    --reps R (default 3))
 
 * load: checkpoint "s" of `--tensors` 1 KiB tensors loaded whole (new tensors);
 * incremental: a restarted process's incremental save on top of "s", the last 10% of its
@@ -17,7 +17,9 @@ another building would; data reads are not delayed. One or more source trees sid
   segments of the others are shared by every checkpoint), `spread` 1% at random (nearly
   every segment holds a changed tensor: little is shared);
 * du: the space accounting of `ckpt du` (`inspection.live_bytes` over `each_manifest`: the
-  pass `ckpt ls` and `ckpt du` make) over the same checkpoints as gc.
+  pass `ckpt ls` and `ckpt du` make) over the same checkpoints as gc;
+* verify: what `ckpt verify` does over all of them (count the blobs to check, check every
+  checkpoint, sum the bytes checked); its whole reads of data blobs wait too.
 
 Reported per tree and repetition: the operation's seconds (from opening the repository,
 imports excluded), the whole-object reads made, and when the last of them ended. With
@@ -76,6 +78,14 @@ def measure(folder: str, latency: float, op: str, tensors: int) -> dict[str, Any
         repo.load("s")
     elif op == "incremental":
         repo.save(f"inc-{os.getpid()}", state, parent="s")
+    elif op == "verify":
+        from ckptstore.maintenance import checks as maintenance
+        from ckptstore.tools import inspection
+
+        manifests = [repo.manifest(info.name) for info in repo.list()]
+        maintenance.chunk_blobs(manifests)
+        assert maintenance.verify(repo.store, manifests, repo.hash).ok
+        inspection.blob_extents(manifests)
     elif op == "du":
         from ckptstore.tools import inspection
 
@@ -89,7 +99,7 @@ def measure(folder: str, latency: float, op: str, tensors: int) -> dict[str, Any
 
 def _save(folder: str, tensors: int, checkpoints: int, pattern: str) -> None:
     """Worker: the checkpoints every tree reads (saved once, by the first tree): "s", then
-    for gc and du more, each with some tensors changed from the one before (`pattern`)."""
+    for gc, du and verify more, each with some tensors changed from the one before (`pattern`)."""
     import torch
 
     import ckptstore
@@ -124,11 +134,12 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=50_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--latency-ms", type=float, default=20.0)
-    ap.add_argument("--op", choices=("load", "gc", "du", "incremental"), default="load")
+    ap.add_argument("--op", choices=("load", "gc", "du", "verify", "incremental"),
+                    default="load")
     ap.add_argument("--checkpoints", type=int, default=10,
-                    help="checkpoints of the gc and du operations (default 10)")
+                    help="checkpoints of the gc, du and verify operations (default 10)")
     ap.add_argument("--pattern", choices=("tail", "spread"), default="tail",
-                    help="which tensors each checkpoint of the gc and du operations changes")
+                    help="which tensors each checkpoint of gc, du and verify changes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
@@ -136,7 +147,7 @@ def main() -> None:
     if args.worker:
         if args.save:
             _save(args.folder, args.tensors,
-                  args.checkpoints if args.op in ("gc", "du") else 1,
+                  args.checkpoints if args.op in ("gc", "du", "verify") else 1,
                   args.pattern)
             print(json.dumps({}))
         else:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..collector import paused_collector
-from ..concurrency import read_ahead
+from ..concurrency import outcome, read_ahead
 from ..errors import FormatError
 from .canonical import canonical_str, reject_constant
 from .hashing import is_digest
@@ -253,6 +253,21 @@ class PagedItems(Sequence[Any]):
         got = self._rows.get(j)
         return got if got is not None else self._set.read(self, j)
 
+    def pages_read_ahead(self) -> Iterator[Callable[[], list[tuple[int, str, Any]]]]:
+        """For each page in order, a call that gives it as `read_page` does (not kept) or
+        raises why it cannot; the pages not kept are fetched PAGE_READ_AHEAD ahead of the one
+        taken (a store's round trips overlap) and decoded by their call, on its thread."""
+        kept = set(self._rows)
+        fetches = [functools.partial(outcome, functools.partial(self._set.fetch, self, j))
+                   for j in range(len(self.pages)) if j not in kept]
+        with closing(read_ahead(fetches, PAGE_READ_AHEAD)) as fetched:
+            for j in range(len(self.pages)):
+                yield (functools.partial(self.read_page, j) if j in kept else
+                       functools.partial(self._decoded, j, next(fetched)))
+
+    def _decoded(self, j: int, data: Callable[[], bytes]) -> list[tuple[int, str, Any]]:
+        return self._set.decode(self, j, data())
+
     def page(self, j: int) -> list[tuple[int, str, Any]]:
         got = self._rows.get(j)
         if got is None:
@@ -354,13 +369,13 @@ def page_loads(tree: Any) -> Iterator[tuple[TreeRef, Callable[[], Any]]]:
         if not isinstance(value, PagedItems):
             stack.extend(item[1] if dicts else item for item in value)
             continue
-        for j, page in enumerate(value.pages):
+        for page, read in zip(value.pages, value.pages_read_ahead()):
             rows: list[tuple[int, str, Any]] = []
-            yield page.ref, functools.partial(_read_into, value, j, rows)
+            yield page.ref, functools.partial(_read_into, read, rows)
             stack.extend(item[1] if dicts else item for _pos, _name, item in rows)
 
 
-def _read_into(items: PagedItems, j: int, rows: list[tuple[int, str, Any]]
-               ) -> list[tuple[int, str, Any]]:
-    rows[:] = items.read_page(j)
+def _read_into(read: Callable[[], list[tuple[int, str, Any]]],
+               rows: list[tuple[int, str, Any]]) -> list[tuple[int, str, Any]]:
+    rows[:] = read()
     return rows

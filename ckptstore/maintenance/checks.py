@@ -25,7 +25,7 @@ import numpy as np
 from ..concurrency import run_concurrently
 from ..errors import FormatError, IntegrityError, ObjectNotFoundError, StoreError
 from ..format.hashing import XXH3_128, HashAlgorithm
-from ..format.manifest import ChunkRef, Manifest, TensorEntry
+from ..format.manifest import ChunkRef, Manifest, TensorEntry, with_next_read_ahead
 from ..format.segment_encoding import IndexBlob
 from ..format.segments import PART_READ_THREADS, SegmentedEntries, segment_parts
 from ..format.tree_pages import page_loads
@@ -155,8 +155,16 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
 
 
 def chunk_blobs(manifests: list[Manifest]) -> set[str]:
-    """Every blob a chunk of the manifests lies in, read from chunk tables (no entries)."""
-    return {b for m in manifests for table in m.chunk_tables() for b in table.blobs}
+    """Every blob a chunk of the manifests lies in, read from chunk tables (no entries):
+    each distinct index segment once, the next manifest's while one is taken in (a segment
+    is named by its content: one read already names no blob the set lacks)."""
+    blobs: set[str] = set()
+    read: set[str] = set()
+    for m in with_next_read_ahead(manifests, lambda: read):
+        for table in m.chunk_tables(read):
+            blobs.update(table.blobs)
+        read.update(r.digest for r in m.segment_refs())
+    return blobs
 
 
 def _unchecked_uses(store: Store, m: Manifest, report: VerifyReport, chosen: set[str] | None,

@@ -130,10 +130,12 @@ def describe_tensor(entry: TensorEntry) -> dict[str, Any]:
 # --------------------------------------------------------------------------- sizes
 def blob_extents(manifests: Iterable[Manifest]) -> dict[str, int]:
     """Blob digest -> the furthest byte any of these manifests uses in it
-    (`Manifest.blob_extents`)."""
+    (`Manifest.blob_extents`), each distinct index segment read once, the next manifest's
+    while one is taken in (SegmentExtents, `with_next_read_ahead`)."""
+    segments = SegmentExtents()
     ext: dict[str, int] = {}
-    for m in manifests:
-        for blob, end in m.blob_extents().items():
+    for m in with_next_read_ahead(manifests, segments.read):
+        for blob, end in segments.of(m).items():
             if end > ext.get(blob, -1):
                 ext[blob] = end
     return ext

@@ -27,6 +27,7 @@ from ckptstore.errors import ObjectNotFoundError
 from ckptstore.format.manifest import BlobUnion
 from ckptstore.format.tree import TreeEncoder
 from ckptstore.layout import blob_key
+from ckptstore.maintenance.checks import chunk_blobs
 from ckptstore.stores.base import DeferredPuts
 from ckptstore.stores.local import LocalStore
 from ckptstore.stores.memory import MemoryStore
@@ -335,6 +336,26 @@ def test_space_accounting_reads_a_segment_shared_by_checkpoints_once():
     assert sorted(store.flight.keys) == sorted(blob_key(d) for d in in_a | in_b | in_c)
 
 
+def test_verifys_counts_read_a_segment_shared_by_checkpoints_once():
+    # `ckpt verify` counts the blobs it will check and the bytes it checked over every
+    # checkpoint: both read each distinct segment once (the check itself reads each
+    # checkpoint's entries)
+    store = _SlowReadStore(f"verify-counts-{os.getpid()}")
+    _repo, (in_a, in_b, in_c) = _three_checkpoints(store)
+    fresh = [CheckpointStore(store).manifest(n) for n in "abc"]
+    whole = {b for m in fresh for t in m.chunk_tables() for b in t.blobs}
+    extents: dict[str, int] = {}
+    for m in fresh:
+        for blob, end in m.blob_extents().items():
+            extents[blob] = max(end, extents.get(blob, -1))
+    store.slow_keys = {blob_key(d) for d in in_a | in_b | in_c}
+    assert chunk_blobs([CheckpointStore(store).manifest(n) for n in "abc"]) == whole
+    assert sorted(store.flight.keys) == sorted(blob_key(d) for d in in_a | in_b | in_c)
+    store.flight.reset()
+    assert inspection.blob_extents([CheckpointStore(store).manifest(n) for n in "abc"]) == extents
+    assert sorted(store.flight.keys) == sorted(blob_key(d) for d in in_a | in_b | in_c)
+
+
 def test_a_missing_segment_of_the_next_checkpoint_stops_gc_deleting_nothing():
     store = _SlowReadStore(f"next-missing-{os.getpid()}")
     repo, (in_a, in_b, in_c) = _three_checkpoints(store)
@@ -463,6 +484,24 @@ def test_verify_reads_segments_side_by_side_and_reports_the_one_it_cannot_read()
     assert len(store.flight.keys) == len(segments) - 1 and store.flight.most > 1
     # every other segment's tensors had their chunks checked
     assert report.bytes_checked >= sum(t.nbytes for t in state.values()) - lost.nbytes
+
+
+def test_verify_reads_tree_pages_side_by_side_and_reports_the_one_it_cannot_read():
+    store = _SlowReadStore(f"verify-pages-{os.getpid()}")
+    g = torch.Generator().manual_seed(9)
+    state = {f"t{i}": torch.randn(8, generator=g) for i in range(TENSORS)}  # a paged root
+    CheckpointStore(store).save("a", state)
+    pages = CheckpointStore(store).manifest("a").tree_page_refs()
+    assert len(pages) >= 4
+    store.slow_keys = {blob_key(r.digest) for r in pages}
+    lost = pages[len(pages) // 2]
+    store.missing = {blob_key(lost.digest)}
+    report = CheckpointStore(store).verify("a")
+    assert [(p.blob, p.problem) for p in report.problems] == [(lost.digest, "missing")]
+    assert sorted(store.flight.keys) == sorted(blob_key(r.digest) for r in pages if r != lost)
+    assert store.flight.most > 1  # side by side
+    store.missing = set()
+    assert CheckpointStore(store).verify("a").ok
 
 
 def test_a_save_beside_training_puts_its_index_blobs_within_its_turns():
