@@ -713,11 +713,13 @@ class SegmentedEntries(Sequence[TensorEntry]):
             return got
         return self._decoded(s, self._fetch(s)())
 
-    def read_segments(self) -> Iterator[tuple[int, Callable[[], list[TensorEntry]]]]:
-        """(s, `read`) for every segment in order, `read()` giving what `read_segment(s)`
-        gives or raising what it raises: for a pass that reports a segment it cannot read
-        and goes on (verify). The next segments' bytes are read meanwhile (`_each_segment`)."""
-        for s, got, data in self._each_segment():
+    def read_segments(self, skip: Collection[str] = ()
+                      ) -> Iterator[tuple[int, Callable[[], list[TensorEntry]]]]:
+        """(s, `read`) for every segment in order (those whose digest is in `skip` left out,
+        unread), `read()` giving what `read_segment(s)` gives or raising what it raises: for
+        a pass that reports a segment it cannot read and goes on (verify). The next segments'
+        bytes are read meanwhile (`_each_segment`)."""
+        for s, got, data in self._each_segment(skip):
             yield s, (functools.partial(_given, got) if data is None else
                       functools.partial(self._decoded_when_read, s, data))
 

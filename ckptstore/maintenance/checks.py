@@ -16,7 +16,7 @@ import concurrent.futures as cf
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -115,10 +115,13 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
     """Check every blob the manifests reference (or a random `sample` fraction of them).
 
     One manifest's entries at a time, not kept (a version-3 manifest's segments are read and
-    let go): memory grows with the distinct chunks checked (a set of their places), not with
-    the number and size of the checkpoints. A blob is read again only by a later checkpoint
-    that uses a part of it not yet checked; a blob found bad is not read again, and every
-    checkpoint and key using it is named."""
+    let go): memory grows with the distinct chunks checked (a set of their places) and the
+    distinct index segments (the blobs each names), not with the number and size of the
+    checkpoints. A blob is read again only by a later checkpoint that uses a part of it not
+    yet checked; a blob found bad is not read again, and every checkpoint and key using it is
+    named. An index segment a checkpoint shares with an earlier one of the pass (the same
+    digest: the same entries) is not read again: its chunks were checked with that one's,
+    and this checkpoint joins the users of any bad blob it names."""
     if not 0 < sample <= 1:
         raise ValueError("sample must be in (0, 1]")
     t0 = time.perf_counter()
@@ -129,9 +132,10 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
         chosen = set(random.sample(blobs, max(1, round(len(blobs) * sample))) if blobs else ())
     checked: set[tuple[str, int, int]] = set()  # (blob, offset, size) of good chunks
     bad: dict[str, tuple[str, str, set[str], set[str]]] = {}  # blob -> problem, detail, users
+    verified: dict[str, frozenset[str]] = {}  # index segment -> the blobs its chunks lie in
     with cf.ThreadPoolExecutor(workers) as pool:
         for m in manifests:
-            uses = _unchecked_uses(store, m, report, chosen, checked, bad)
+            uses, segments = _unchecked_uses(store, m, report, chosen, checked, bad, verified)
             futures = {pool.submit(_check_blob, store, algorithm.digest, b, u): b
                        for b, u in uses.items()}
             for fut in cf.as_completed(futures):
@@ -146,6 +150,7 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
                 else:
                     bad[blob] = (verdict, detail, {n for n, _t, _c in uses[blob]},
                                  {t.key for _n, t, _c in uses[blob]})
+            verified.update(segments)  # (their chunks' verdicts are all known now)
     report.problems.extend(BlobProblem(blob, verdict, detail, tuple(sorted(names)),
                                        tuple(sorted(keys)))
                            for blob, (verdict, detail, names, keys) in bad.items())
@@ -169,39 +174,56 @@ def chunk_blobs(manifests: list[Manifest]) -> set[str]:
 
 def _unchecked_uses(store: Store, m: Manifest, report: VerifyReport, chosen: set[str] | None,
                     checked: set[tuple[str, int, int]],
-                    bad: dict[str, tuple[str, str, set[str], set[str]]]
-                    ) -> dict[str, list[tuple[str, TensorEntry, ChunkRef]]]:
+                    bad: dict[str, tuple[str, str, set[str], set[str]]],
+                    verified: dict[str, frozenset[str]]
+                    ) -> tuple[dict[str, list[tuple[str, TensorEntry, ChunkRef]]],
+                               dict[str, frozenset[str]]]:
     """The chunks of `m` still to check, by blob: those in `chosen` blobs (None: all), not
-    already found good, and not in a blob already found bad (whose users `m` joins)."""
+    already found good, and not in a blob already found bad (whose users `m` joins); and the
+    index segments read ({digest: the blobs its chunks lie in}). Segments in `verified` are
+    not read: `m` joins the users of the bad blobs they name."""
     uses: dict[str, list[tuple[str, TensorEntry, ChunkRef]]] = defaultdict(list)
-    for t in _readable_entries(store, m, report):
-        for c in t.chunks:
-            if chosen is not None and c.blob not in chosen:
-                continue
-            known_bad = bad.get(c.blob)
-            if known_bad is not None:
-                known_bad[2].add(m.name)
-                known_bad[3].add(t.key)
-            elif (c.blob, c.offset, c.size) not in checked:
-                uses[c.blob].append((m.name, t, c))
-    return uses
+    segments: dict[str, frozenset[str]] = {}
+    for digest, entries in _readable_segments(store, m, report, verified):
+        blobs: set[str] = set()
+        for t in entries:
+            for c in t.chunks:
+                blobs.add(c.blob)
+                if chosen is not None and c.blob not in chosen:
+                    continue
+                known_bad = bad.get(c.blob)
+                if known_bad is not None:
+                    known_bad[2].add(m.name)
+                    known_bad[3].add(t.key)
+                elif (c.blob, c.offset, c.size) not in checked:
+                    uses[c.blob].append((m.name, t, c))
+        if digest is not None:
+            segments[digest] = frozenset(blobs)
+    for ref in m.segment_refs():
+        for blob in verified.get(ref.digest, ()):
+            if blob in bad:  # (its keys: the same entries named them before)
+                bad[blob][2].add(m.name)
+    return uses, segments
 
 
-def _readable_entries(store: Store, m: Manifest, report: VerifyReport
-                      ) -> Iterator[TensorEntry]:
-    """The tensor entries of `m`, a segment at a time (not kept). A version-3 manifest's index
-    blobs (its tree, its pages, its segments and their parts) are read and checked whole,
-    always; one that is missing or damaged is a problem of the report, and a segment's
-    tensors' chunks then cannot be checked."""
+def _readable_segments(store: Store, m: Manifest, report: VerifyReport,
+                       skip: Collection[str] = ()
+                       ) -> Iterator[tuple[str | None, Sequence[TensorEntry]]]:
+    """The tensor entries of `m` as (index segment digest, its entries), a segment at a time
+    (not kept); (None, all of them) for a manifest without segments read from a store. A
+    version-3 manifest's index blobs (its tree, its pages, its segments and their parts) are
+    read and checked whole, always, but for the segments in `skip` (not read); one that is
+    missing or damaged is a problem of the report, and a segment's tensors' chunks then
+    cannot be checked."""
     entries = m.tensors
     if not isinstance(entries, SegmentedEntries):
-        yield from entries
+        yield None, entries
         return
     tree = _index_blob(store, m, report, m.tree_ref(), lambda: m.tree, "(state tree)")
     if tree is not None:
         for page, read in page_loads(tree):
             _index_blob(store, m, report, page, read, "(state tree page)")
-    for s, read in entries.read_segments():
+    for s, read in entries.read_segments(skip):
         got = _index_blob(store, m, report, entries.refs[s], read, "(index segment)")
         if got is None:
             continue
@@ -213,7 +235,7 @@ def _readable_entries(store: Store, m: Manifest, report: VerifyReport
                      for part, read in loads]  # every part, each problem reported
             if any(rows is None for rows in found):
                 continue
-        yield from got
+        yield entries.refs[s].digest, got
 
 
 def _index_blob(store: Store, m: Manifest, report: VerifyReport, ref: IndexBlob,

@@ -27,6 +27,7 @@ from ckptstore.errors import ObjectNotFoundError
 from ckptstore.format.manifest import BlobUnion
 from ckptstore.format.tree import TreeEncoder
 from ckptstore.layout import blob_key
+from ckptstore.maintenance import checks
 from ckptstore.maintenance.checks import chunk_blobs
 from ckptstore.stores.base import DeferredPuts
 from ckptstore.stores.local import LocalStore
@@ -502,6 +503,32 @@ def test_verify_reads_tree_pages_side_by_side_and_reports_the_one_it_cannot_read
     assert store.flight.most > 1  # side by side
     store.missing = set()
     assert CheckpointStore(store).verify("a").ok
+
+
+def test_verify_reads_a_shared_segment_once_and_names_every_checkpoint_using_a_bad_blob():
+    store = _SlowReadStore(f"verify-shared-{os.getpid()}")
+    g = torch.Generator().manual_seed(10)
+    state = {"a.big": torch.randn(100_000, generator=g), **small_state(16)}  # a blob alone
+    repo = CheckpointStore(store)
+    repo.save("a", state)
+    for name, changed in (("b", "blocks.20.p1"), ("c", "blocks.25.p3")):
+        state = {**state, changed: state[changed] + 1}
+        repo.save(name, state)
+    manifests = [CheckpointStore(store).manifest(n) for n in "abc"]
+    refs = [m.segment_refs() for m in manifests]
+    assert refs[0][0] == refs[1][0] == refs[2][0]  # "a.big"'s segment: in all three
+    segments = {r.digest for rs in refs for r in rs}
+    store.slow_keys = {blob_key(d) for d in segments}
+    report = checks.verify(store, manifests)
+    assert report.ok
+    assert sorted(store.flight.keys) == sorted(blob_key(d) for d in segments)  # each once
+    big = manifests[0].tensors[0]
+    assert big.key == "a.big" and len({c.blob for c in big.chunks}) == 1
+    blob = big.chunks[0].blob
+    store.put(blob_key(blob), b"\0" + store.get(blob_key(blob))[1:])  # damaged in place
+    report = checks.verify(store, [CheckpointStore(store).manifest(n) for n in "abc"])
+    assert [(p.blob, p.problem, p.checkpoints, p.keys) for p in report.problems] == [
+        (blob, "corrupt", ("a", "b", "c"), ("a.big",))]
 
 
 def test_a_save_beside_training_puts_its_index_blobs_within_its_turns():
