@@ -134,7 +134,9 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
     bad: dict[str, tuple[str, str, set[str], set[str]]] = {}  # blob -> problem, detail, users
     verified: dict[str, frozenset[str]] = {}  # index segment -> the blobs its chunks lie in
     with cf.ThreadPoolExecutor(workers) as pool:
-        for m in manifests:
+        # the next checkpoint's segments that this one and earlier ones do not name are read
+        # while this one is checked
+        for m in with_next_read_ahead(manifests, verified.keys):
             uses, segments = _unchecked_uses(store, m, report, chosen, checked, bad, verified)
             futures = {pool.submit(_check_blob, store, algorithm.digest, b, u): b
                        for b, u in uses.items()}

@@ -24,7 +24,7 @@ import torch
 
 from ckptstore import CheckpointStore, CkptStoreError, FormatError
 from ckptstore.errors import ObjectNotFoundError
-from ckptstore.format.manifest import BlobUnion
+from ckptstore.format.manifest import BlobUnion, Manifest
 from ckptstore.format.tree import TreeEncoder
 from ckptstore.layout import blob_key
 from ckptstore.maintenance import checks
@@ -282,7 +282,7 @@ def _three_checkpoints(store: _SlowReadStore) -> tuple[CheckpointStore, list[set
     return repo, [{r.digest for r in fresh.manifest(n).segment_refs()} for n in "abc"]
 
 
-@pytest.mark.parametrize("scan", ["gc", "du"])
+@pytest.mark.parametrize("scan", ["gc", "du", "verify"])
 def test_a_pass_over_checkpoints_reads_the_next_ones_new_segments_while_it_adds_one(
         monkeypatch: pytest.MonkeyPatch, scan: str):
     store = _SlowReadStore(f"next-{scan}-{os.getpid()}")
@@ -291,26 +291,33 @@ def test_a_pass_over_checkpoints_reads_the_next_ones_new_segments_while_it_adds_
     assert new_in_b and new_in_c
     each = set().union(*(CheckpointStore(store).manifest(n).blob_digests() for n in "abc"))
     store.slow_keys = {blob_key(d) for d in in_a | in_b | in_c}
-    pass_class = BlobUnion if scan == "gc" else inspection.UsageScan
-    real = pass_class.add
     added: list[str] = []
 
-    def add(self, manifest):
-        # adding a checkpoint waits until the next one's new segments are being read: they
-        # are only if their reads began before it (else this times out)
-        following = {"a": new_in_b, "b": new_in_c}.get(manifest.name, set())
-        wait_until(lambda: {blob_key(d) for d in following} <= set(store.flight.keys),
-                   what=f"the segments after {manifest.name} read while it is added")
-        added.append(manifest.name)
-        return real(self, manifest)
+    def waiting(real):
+        def add(*args):
+            # taking in a checkpoint waits until the next one's new segments are being read:
+            # they are only if their reads began before it (else this times out)
+            manifest = next(a for a in args if isinstance(a, Manifest))
+            following = {"a": new_in_b, "b": new_in_c}.get(manifest.name, set())
+            wait_until(lambda: {blob_key(d) for d in following} <= set(store.flight.keys),
+                       what=f"the segments after {manifest.name} read while it is added")
+            added.append(manifest.name)
+            return real(*args)
+        return add
 
-    monkeypatch.setattr(pass_class, "add", add)
+    if scan == "verify":
+        monkeypatch.setattr(checks, "_unchecked_uses", waiting(checks._unchecked_uses))
+    else:
+        pass_class = BlobUnion if scan == "gc" else inspection.UsageScan
+        monkeypatch.setattr(pass_class, "add", waiting(pass_class.add))
     repo = CheckpointStore(store)
+    manifests = [repo.manifest(n) for n in "abc"]
     if scan == "gc":
         assert repo.referenced_blobs() == each
+    elif scan == "du":
+        assert inspection.usage(manifests).referenced_blobs == len(each)
     else:
-        use = inspection.usage([repo.manifest(n) for n in "abc"])
-        assert use.referenced_blobs == len(each)
+        assert checks.verify(store, manifests).ok
     assert added == ["a", "b", "c"]
     # each distinct segment read once, the shared ones not again for the next checkpoint
     assert sorted(store.flight.keys) == sorted(blob_key(d) for d in in_a | in_b | in_c)
