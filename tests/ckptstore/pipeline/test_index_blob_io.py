@@ -247,18 +247,26 @@ def test_a_parent_index_over_the_read_ahead_budget_is_read_ahead_in_part():
         (t.blobs, t.offsets.tolist(), t.sizes.tolist()) for t in tables]
 
 
-def test_gc_reads_a_segment_shared_by_checkpoints_once_and_finds_the_same_blobs():
-    store = _SlowReadStore(f"shared-{os.getpid()}")
+def _three_checkpoints(store: _SlowReadStore
+                       ) -> tuple[CheckpointStore, list[set[str]], dict[str, torch.Tensor]]:
+    """Checkpoints a, b, c of one state, each changing a tensor of another segment; the
+    digests of each one's index segments, and c's state."""
     repo = CheckpointStore(store)
-    state = small_state(12)
+    state = small_state(15)
     repo.save("a", state)
-    for name, changed in (("b", "blocks.1.p5"), ("c", "blocks.22.p9")):
+    for name, changed in (("b", "blocks.2.p1"), ("c", "blocks.25.p3")):
         state = {**state, changed: state[changed] + 1}
         repo.save(name, state)
     fresh = CheckpointStore(store)
-    refs = [{r.digest for r in fresh.manifest(n).segment_refs()} for n in "abc"]
+    return repo, [{r.digest for r in fresh.manifest(n).segment_refs()} for n in "abc"], state
+
+
+def test_gc_reads_a_segment_shared_by_checkpoints_once_and_finds_the_same_blobs():
+    store = _SlowReadStore(f"shared-{os.getpid()}")
+    repo, refs, state = _three_checkpoints(store)
     segments = set().union(*refs)
     assert set.intersection(*refs) and len(segments) < sum(map(len, refs))  # shared ones
+    fresh = CheckpointStore(store)
     each = set().union(*(fresh.manifest(n).blob_digests() for n in "abc"))  # each read whole
     store.slow_keys = {blob_key(d) for d in segments}
     assert CheckpointStore(store).referenced_blobs() == each
@@ -269,24 +277,11 @@ def test_gc_reads_a_segment_shared_by_checkpoints_once_and_finds_the_same_blobs(
     assert CheckpointStore(store).verify("b").ok
 
 
-def _three_checkpoints(store: _SlowReadStore) -> tuple[CheckpointStore, list[set[str]]]:
-    """Checkpoints a, b, c of one state, each changing a tensor of another segment; the
-    digests of each one's index segments."""
-    repo = CheckpointStore(store)
-    state = small_state(15)
-    repo.save("a", state)
-    for name, changed in (("b", "blocks.2.p1"), ("c", "blocks.25.p3")):
-        state = {**state, changed: state[changed] + 1}
-        repo.save(name, state)
-    fresh = CheckpointStore(store)
-    return repo, [{r.digest for r in fresh.manifest(n).segment_refs()} for n in "abc"]
-
-
 @pytest.mark.parametrize("scan", ["gc", "du", "verify"])
 def test_a_pass_over_checkpoints_reads_the_next_ones_new_segments_while_it_adds_one(
         monkeypatch: pytest.MonkeyPatch, scan: str):
     store = _SlowReadStore(f"next-{scan}-{os.getpid()}")
-    _repo, (in_a, in_b, in_c) = _three_checkpoints(store)
+    _repo, (in_a, in_b, in_c), _state = _three_checkpoints(store)
     new_in_b, new_in_c = in_b - in_a, in_c - in_a - in_b
     assert new_in_b and new_in_c
     each = set().union(*(CheckpointStore(store).manifest(n).blob_digests() for n in "abc"))
@@ -325,7 +320,7 @@ def test_a_pass_over_checkpoints_reads_the_next_ones_new_segments_while_it_adds_
 
 def test_space_accounting_reads_a_segment_shared_by_checkpoints_once():
     store = _SlowReadStore(f"usage-{os.getpid()}")
-    _repo, (in_a, in_b, in_c) = _three_checkpoints(store)
+    _repo, (in_a, in_b, in_c), _state = _three_checkpoints(store)
     fresh = [CheckpointStore(store).manifest(n) for n in "abc"]  # each read whole below
     extents = [m.blob_extents() for m in fresh]
     ranges = {r for m in fresh for t in m.chunk_tables() for r in t.ranges()} | {
@@ -349,7 +344,7 @@ def test_verifys_counts_read_a_segment_shared_by_checkpoints_once():
     # checkpoint: both read each distinct segment once (the check itself reads each
     # checkpoint's entries)
     store = _SlowReadStore(f"verify-counts-{os.getpid()}")
-    _repo, (in_a, in_b, in_c) = _three_checkpoints(store)
+    _repo, (in_a, in_b, in_c), _state = _three_checkpoints(store)
     fresh = [CheckpointStore(store).manifest(n) for n in "abc"]
     whole = {b for m in fresh for t in m.chunk_tables() for b in t.blobs}
     extents: dict[str, int] = {}
@@ -366,7 +361,7 @@ def test_verifys_counts_read_a_segment_shared_by_checkpoints_once():
 
 def test_a_missing_segment_of_the_next_checkpoint_stops_gc_deleting_nothing():
     store = _SlowReadStore(f"next-missing-{os.getpid()}")
-    repo, (in_a, in_b, in_c) = _three_checkpoints(store)
+    repo, (in_a, in_b, in_c), _state = _three_checkpoints(store)
     repo.delete("a")  # its own blobs would go
     lost = sorted(in_c - in_a - in_b)[0]
     store.missing = {blob_key(lost)}
