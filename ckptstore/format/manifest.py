@@ -682,10 +682,11 @@ class BlobUnion:
 def with_next_read_ahead(manifests: Iterable[Manifest], known: Callable[[], Collection[str]]
                          ) -> Iterator[Manifest]:
     """Each of `manifests` in turn for a pass that reads every distinct index segment once
-    (gc's references, space accounting); while the caller uses one, the segments of the
-    next that neither it nor `known()` (the segments the pass has read) names are read ahead
-    (`Manifest.index_read_ahead`), so a store's round trips overlap from one checkpoint to
-    the next. Two parsed manifests are held at a time. Stopping early drops the read-ahead."""
+    (gc's references, space accounting, verify); while the caller uses one, the segments of
+    the next that neither it nor `known()` (the segments the pass has read) names are read
+    ahead (`Manifest.index_read_ahead`), so a store's round trips overlap from one checkpoint
+    to the next. Two parsed manifests are held at a time. Stopping early drops the
+    read-ahead and closes `manifests` where it is a generator."""
     following = iter(manifests)
     current = next(following, None)
     current_ahead = ExitStack()  # the read-ahead of `current`, begun a turn before
@@ -706,6 +707,9 @@ def with_next_read_ahead(manifests: Iterable[Manifest], known: Callable[[], Coll
             current, current_ahead = after, after_ahead
     finally:
         current_ahead.close()
+        close = getattr(following, "close", None)
+        if close is not None:  # (a catalog's pass: its manifest reads stop now)
+            close()
 
 
 _HI = 1 << 62  # `_int`'s default upper bound
