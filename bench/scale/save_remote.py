@@ -18,6 +18,10 @@ step in a fresh process, under a prefix of its own:
   and 1 (saved first, without the latency): the save call commits, then deletes step 1 and
   the blobs only it used;
 * list: `CheckpointStore.list()` over `--checkpoints` checkpoints of one tensor each (saved
+  once, without the latency);
+* with `--passes K`: gc's reference pass (`referenced_blobs()`), the space accounting of
+  `ckpt ls` / `du` (`inspection.live_bytes`) and what `ckpt verify` does, over K
+  checkpoints of `--tensors` tensors each changing the last 10% from the one before (saved
   once, without the latency).
 
 Reported per step: seconds, the requests made by kind, and the state's bytes.
@@ -76,6 +80,8 @@ def measure(endpoint: str, prefix: str, tensors: int, latency: float, kind: str
     if kind in ("history", "list"):
         return _history(endpoint, prefix, tensors, latency if kind == "list" else 0.0,
                         kind == "history")
+    if kind.startswith("passes"):
+        return _passes(endpoint, prefix, tensors, latency, kind)
     state = build_small(tensors)
     if kind != "full":
         for i, t in enumerate(state.values()):
@@ -139,6 +145,43 @@ def _history(endpoint: str, prefix: str, checkpoints: int, latency: float, save:
     return {"seconds": time.perf_counter() - t0, **counts, "bytes": 0, "written": 0}
 
 
+def _passes(endpoint: str, prefix: str, tensors: int, latency: float, kind: str
+            ) -> dict[str, Any]:
+    """"passes-save:K": save K checkpoints of `tensors` 1 KiB tensors, each changing the last
+    10% (no latency); "passes-gc" / "passes-du" / "passes-verify": that pass over them."""
+    import ckptstore
+
+    from .states import build_small
+
+    store, counts = far_store(endpoint, prefix, 0.0 if kind.startswith("passes-save") else
+                              latency)
+    repo = ckptstore.CheckpointStore(store)
+    t0 = time.perf_counter()
+    if kind.startswith("passes-save"):
+        state = build_small(tensors)
+        tail = list(state.values())[-max(1, tensors // 10):]
+        for k in range(int(kind.split(":")[1])):
+            for t in tail:
+                t.add_(1.0)
+            repo.save(f"s{k}", state)
+    elif kind == "passes-gc":
+        repo.referenced_blobs()
+    elif kind == "passes-du":
+        from ckptstore.tools import inspection
+
+        inspection.live_bytes(repo.each_manifest([]))
+    else:
+        from ckptstore.maintenance import checks
+        from ckptstore.tools import inspection
+
+        manifests = [repo.manifest(info.name) for info in repo.list()]
+        checks.chunk_blobs(manifests)
+        if not checks.verify(repo.store, manifests, repo.hash).ok:
+            raise AssertionError("verify found problems")
+        inspection.blob_extents(manifests)
+    return {"seconds": time.perf_counter() - t0, **counts, "bytes": 0, "written": 0}
+
+
 def _env(source: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{HERE}", "PYTHONSAFEPATH": "1"}
 
@@ -160,6 +203,10 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=100,
                     help="checkpoints of the list kind")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--passes", type=int, default=0,
+                    help="also time gc, du and verify over this many checkpoints (0: not)")
+    ap.add_argument("--only-passes", action="store_true",
+                    help="time only gc, du and verify (with --passes)")
     ap.add_argument("--latency-ms", type=float, default=0.0,
                     help="add this to every PUT (a remote store's round trip)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -186,13 +233,24 @@ def main() -> None:
                         endpoint, "--prefix", history, "--tensors", str(args.checkpoints),
                         "--kind", "history"], env={**_env(args.source[0]), **env_extra},
                        cwd=HERE, check=True, capture_output=True)
+        passes = f"hp-{uuid.uuid4().hex[:12]}"
+        if args.passes:
+            subprocess.run([sys.executable, "-m", "scale.save_remote", "--worker",
+                            "--endpoint", endpoint, "--prefix", passes, "--tensors",
+                            str(args.tensors), "--kind", f"passes-save:{args.passes}"],
+                           env={**_env(args.source[0]), **env_extra}, cwd=HERE, check=True,
+                           capture_output=True)
+        kinds = [] if args.only_passes else ["full", "incremental", "load", "retention", "list"]
+        if args.passes:
+            kinds += ["passes-gc", "passes-du", "passes-verify"]
         for rep in range(args.reps):
             for source in args.source:
                 prefix = f"p-{uuid.uuid4().hex[:12]}"
-                for kind in ("full", "incremental", "load", "retention", "list"):
+                for kind in kinds:
                     out = subprocess.run(
                         [sys.executable, "-m", "scale.save_remote", "--worker", "--endpoint",
-                         endpoint, "--prefix", history if kind == "list" else prefix,
+                         endpoint, "--prefix", history if kind == "list" else
+                         passes if kind.startswith("passes") else prefix,
                          "--tensors", str(args.checkpoints if kind == "list" else args.tensors),
                          "--latency-ms", str(args.latency_ms), "--kind", kind],
                         env={**_env(source), **env_extra}, cwd=HERE, capture_output=True,
@@ -203,6 +261,7 @@ def main() -> None:
                         break
                     got = json.loads(out.stdout.strip().splitlines()[-1])
                     moved = (f"{args.checkpoints} checkpoints" if kind == "list" else
+                             f"{args.passes} checkpoints" if kind.startswith("passes") else
                              f"{got['bytes'] / 2**20:.1f} MiB loaded" if kind == "load" else
                              f"{got['written'] / 2**20:.1f} of {got['bytes'] / 2**20:.1f} MiB "
                              "written")
