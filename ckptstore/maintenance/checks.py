@@ -16,7 +16,7 @@ import concurrent.futures as cf
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -121,7 +121,8 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
     yet checked; a blob found bad is not read again, and every checkpoint and key using it is
     named. An index segment a checkpoint shares with an earlier one of the pass (the same
     digest: the same entries) is not read again: its chunks were checked with that one's,
-    and this checkpoint joins the users of any bad blob it names."""
+    and this checkpoint joins the users of any bad blob it names. A state tree found whole
+    and good (its blob and every page) is not read again either."""
     if not 0 < sample <= 1:
         raise ValueError("sample must be in (0, 1]")
     t0 = time.perf_counter()
@@ -132,12 +133,12 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
         chosen = set(random.sample(blobs, max(1, round(len(blobs) * sample))) if blobs else ())
     checked: set[tuple[str, int, int]] = set()  # (blob, offset, size) of good chunks
     bad: dict[str, tuple[str, str, set[str], set[str]]] = {}  # blob -> problem, detail, users
-    verified: dict[str, frozenset[str]] = {}  # index segment -> the blobs its chunks lie in
+    seen = _Seen()
     with cf.ThreadPoolExecutor(workers) as pool:
         # the next checkpoint's segments that this one and earlier ones do not name are read
         # while this one is checked
-        for m in with_next_read_ahead(manifests, verified.keys):
-            uses, segments = _unchecked_uses(store, m, report, chosen, checked, bad, verified)
+        for m in with_next_read_ahead(manifests, seen.segments.keys):
+            uses, segments = _unchecked_uses(store, m, report, chosen, checked, bad, seen)
             futures = {pool.submit(_check_blob, store, algorithm.digest, b, u): b
                        for b, u in uses.items()}
             for fut in cf.as_completed(futures):
@@ -152,7 +153,7 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
                 else:
                     bad[blob] = (verdict, detail, {n for n, _t, _c in uses[blob]},
                                  {t.key for _n, t, _c in uses[blob]})
-            verified.update(segments)  # (their chunks' verdicts are all known now)
+            seen.segments.update(segments)  # (their chunks' verdicts are all known now)
     report.problems.extend(BlobProblem(blob, verdict, detail, tuple(sorted(names)),
                                        tuple(sorted(keys)))
                            for blob, (verdict, detail, names, keys) in bad.items())
@@ -176,17 +177,16 @@ def chunk_blobs(manifests: list[Manifest]) -> set[str]:
 
 def _unchecked_uses(store: Store, m: Manifest, report: VerifyReport, chosen: set[str] | None,
                     checked: set[tuple[str, int, int]],
-                    bad: dict[str, tuple[str, str, set[str], set[str]]],
-                    verified: dict[str, frozenset[str]]
+                    bad: dict[str, tuple[str, str, set[str], set[str]]], seen: _Seen
                     ) -> tuple[dict[str, list[tuple[str, TensorEntry, ChunkRef]]],
                                dict[str, frozenset[str]]]:
     """The chunks of `m` still to check, by blob: those in `chosen` blobs (None: all), not
     already found good, and not in a blob already found bad (whose users `m` joins); and the
-    index segments read ({digest: the blobs its chunks lie in}). Segments in `verified` are
-    not read: `m` joins the users of the bad blobs they name."""
+    index segments read ({digest: the blobs its chunks lie in}). Segments `seen` are not
+    read: `m` joins the users of the bad blobs they name."""
     uses: dict[str, list[tuple[str, TensorEntry, ChunkRef]]] = defaultdict(list)
     segments: dict[str, frozenset[str]] = {}
-    for digest, entries in _readable_segments(store, m, report, verified):
+    for digest, entries in _readable_segments(store, m, report, seen):
         blobs: set[str] = set()
         for t in entries:
             for c in t.chunks:
@@ -202,30 +202,44 @@ def _unchecked_uses(store: Store, m: Manifest, report: VerifyReport, chosen: set
         if digest is not None:
             segments[digest] = frozenset(blobs)
     for ref in m.segment_refs():
-        for blob in verified.get(ref.digest, ()):
+        for blob in seen.segments.get(ref.digest, ()):
             if blob in bad:  # (its keys: the same entries named them before)
                 bad[blob][2].add(m.name)
     return uses, segments
 
 
-def _readable_segments(store: Store, m: Manifest, report: VerifyReport,
-                       skip: Collection[str] = ()
+@dataclass
+class _Seen:
+    """What a verify run found whole and good, by digest (the same digest: the same
+    content): index segments (-> the blobs their chunks lie in) and state trees (their blob
+    and every page)."""
+
+    segments: dict[str, frozenset[str]] = field(default_factory=dict)
+    trees: set[str] = field(default_factory=set)
+
+
+def _readable_segments(store: Store, m: Manifest, report: VerifyReport, seen: _Seen
                        ) -> Iterator[tuple[str | None, Sequence[TensorEntry]]]:
     """The tensor entries of `m` as (index segment digest, its entries), a segment at a time
     (not kept); (None, all of them) for a manifest without segments read from a store. A
     version-3 manifest's index blobs (its tree, its pages, its segments and their parts) are
-    read and checked whole, always, but for the segments in `skip` (not read); one that is
-    missing or damaged is a problem of the report, and a segment's tensors' chunks then
-    cannot be checked."""
+    read and checked whole, but for those `seen` (not read; a tree found whole and good is
+    added to it); one that is missing or damaged is a problem of the report, and a segment's
+    tensors' chunks then cannot be checked."""
     entries = m.tensors
     if not isinstance(entries, SegmentedEntries):
         yield None, entries
         return
-    tree = _index_blob(store, m, report, m.tree_ref(), lambda: m.tree, "(state tree)")
-    if tree is not None:
-        for page, read in page_loads(tree):
-            _index_blob(store, m, report, page, read, "(state tree page)")
-    for s, read in entries.read_segments(skip):
+    tree_ref = m.tree_ref()
+    if tree_ref.digest not in seen.trees:
+        problems = len(report.problems)
+        tree = _index_blob(store, m, report, tree_ref, lambda: m.tree, "(state tree)")
+        if tree is not None:
+            for page, read in page_loads(tree):
+                _index_blob(store, m, report, page, read, "(state tree page)")
+        if len(report.problems) == problems:
+            seen.trees.add(tree_ref.digest)
+    for s, read in entries.read_segments(seen.segments.keys()):
         got = _index_blob(store, m, report, entries.refs[s], read, "(index segment)")
         if got is None:
             continue

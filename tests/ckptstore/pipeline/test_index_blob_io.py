@@ -507,6 +507,28 @@ def test_verify_reads_tree_pages_side_by_side_and_reports_the_one_it_cannot_read
     assert CheckpointStore(store).verify("a").ok
 
 
+def test_verify_reads_a_state_tree_checkpoints_share_once_unless_it_is_damaged():
+    store = _SlowReadStore(f"verify-trees-{os.getpid()}")
+    g = torch.Generator().manual_seed(11)
+    state = {f"t{i}": torch.randn(8, generator=g) for i in range(TENSORS)}  # a paged root
+    repo = CheckpointStore(store)
+    for name in "abc":  # the same keys: the same tree and pages
+        state = {**state, "t7": state["t7"] + 1}
+        repo.save(name, state)
+    manifests = [CheckpointStore(store).manifest(n) for n in "abc"]
+    trees = {m.tree_ref() for m in manifests}
+    pages = {r for m in manifests for r in m.tree_page_refs()}
+    assert len(trees) == 1 and len(pages) >= 4
+    store.slow_keys = {blob_key(r.digest) for r in trees | pages}
+    assert checks.verify(store, manifests).ok
+    assert sorted(store.flight.keys) == sorted(blob_key(r.digest) for r in trees | pages)
+    lost = sorted(pages, key=lambda r: r.digest)[0]  # then every checkpoint names it
+    store.missing = {blob_key(lost.digest)}
+    report = checks.verify(store, [CheckpointStore(store).manifest(n) for n in "abc"])
+    assert [(p.blob, p.problem, p.checkpoints) for p in report.problems] == [
+        (lost.digest, "missing", (n,)) for n in "abc"]
+
+
 def test_verify_reads_a_shared_segment_once_and_names_every_checkpoint_using_a_bad_blob():
     store = _SlowReadStore(f"verify-shared-{os.getpid()}")
     g = torch.Generator().manual_seed(10)
