@@ -466,7 +466,7 @@ class Manifest:
             # entries in memory (a writer's): the parts of its parted segments, computed
             ext.update((r.digest, r.size) for e in self.segment_blobs() for r, _d in e.parts)
         for table in self.chunk_tables() if tables is None else tables:
-            _fold_extents(ext, table.parts_and_extents())  # parts: read from a store
+            fold_extents(ext, table.parts_and_extents())  # parts: read from a store
         return ext
 
     def chunk_tables(self, skip: Collection[str] = ()) -> Iterator[ChunkTable]:
@@ -604,7 +604,7 @@ class Manifest:
         return ok
 
 
-def _fold_extents(ext: dict[str, int], more: dict[str, int]) -> None:
+def fold_extents(ext: dict[str, int], more: dict[str, int]) -> None:
     """Fold blob extents `more` into `ext`: each blob to the furthest byte either uses."""
     for blob, end in more.items():
         if end > ext.get(blob, -1):
@@ -652,7 +652,7 @@ class SegmentExtents:
                 on_table(table)
         ext = {self.name(r.digest): r.size for r in manifest.index_blobs()}
         for ref in refs:
-            _fold_extents(ext, self._of[ref.digest])
+            fold_extents(ext, self._of[ref.digest])
         return ext
 
 

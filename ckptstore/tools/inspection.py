@@ -26,7 +26,13 @@ from typing import Any
 import numpy as np
 
 from ..format import dtypes
-from ..format.manifest import Manifest, SegmentExtents, TensorEntry, with_next_read_ahead
+from ..format.manifest import (
+    Manifest,
+    SegmentExtents,
+    TensorEntry,
+    fold_extents,
+    with_next_read_ahead,
+)
 from ..format.segment_encoding import ChunkTable
 from ..format.tree import key_string, node_kind
 
@@ -135,9 +141,7 @@ def blob_extents(manifests: Iterable[Manifest]) -> dict[str, int]:
     segments = SegmentExtents()
     ext: dict[str, int] = {}
     for m in with_next_read_ahead(manifests, segments.read):
-        for blob, end in segments.of(m).items():
-            if end > ext.get(blob, -1):
-                ext[blob] = end
+        fold_extents(ext, segments.of(m))
     return ext
 
 
@@ -207,9 +211,7 @@ class UsageScan:
                 ranges.update(replace(table, blobs=tuple(map(name, table.blobs))).ranges())
 
         blobs = self._segments.of(manifest, chunk_ranges)
-        for blob, end in blobs.items():
-            if end > ext.get(blob, -1):
-                ext[blob] = end
+        fold_extents(ext, blobs)
         if ranges is not None:
             ranges.update((name(r.digest), 0, r.size) for r in manifest.segment_refs())
         self._rows.append((manifest.name, manifest.logical_bytes, frozenset(blobs)))
