@@ -402,9 +402,17 @@ def _parse_segment_refs(docs: Any) -> list[SegmentRef]:
 def committed_manifest(manifest: Manifest, data: bytes, expected_name: str,
                        segments: SegmentSource | None = None) -> Manifest:
     """What `parse_manifest(data, expected_name, segments=segments)` returns, given
-    `data == manifest.to_bytes()` (the bytes a writer committed for `manifest`): `manifest`
-    itself when `parses_back_equal` proves the parse would equal it, else the parse of `data`
-    (FormatError if `data` is invalid). Saves the re-parse of a manifest just written."""
+    `data == manifest.to_bytes()` (the bytes a writer committed for `manifest`).
+
+    A version-3 manifest with `segments`: that parse itself. `data` is only the root, and
+    the parse reads its index blobs through `segments` when they are first used; the
+    writer's entries and tree (gigabytes at a million tensors) are not kept, and no proof
+    as long as they are is made. Earlier versions (every entry in `data`): `manifest` itself
+    when `parses_back_equal` proves the parse would equal it, else the parse of `data`
+    (FormatError if `data` is invalid), which saves the re-parse of a manifest just
+    written."""
+    if manifest.version >= SEGMENTED_VERSION and segments is not None:
+        return parse_manifest(data, expected_name, hash_algorithm(manifest.hash), segments)
     if len(data) <= MAX_MANIFEST_BYTES and parses_back_equal(manifest, expected_name):
         return manifest
     return parse_manifest(data, expected_name, hash_algorithm(manifest.hash), segments)

@@ -2,7 +2,9 @@
 
 - A save caches the writer's own Manifest only when it provably equals what a reader parses
   (`parses_back_equal`); these tests check that it then really does, with the same types and
-  dict order, for states covering every tensor and leaf kind the suite uses.
+  dict order, for states covering every tensor and leaf kind the suite uses. A segmented
+  (version-3) save caches the parse of its root instead, which reads its index as a reader
+  does.
 - `_fast_tensor` (parsing) agrees with the reference `_parse_tensor` on every input, valid or
   mutated, and `_entry_json` (writing) gives the bytes of `canonical_json(to_json())`.
 - The encoder's and the staging arena's shortcuts keep their results.
@@ -131,6 +133,29 @@ def _reference_bytes(m: M.Manifest) -> bytes:
         "format": M.FORMAT_NAME, "version": m.version, "hash": M.HASH_NAME, "name": m.name,
         "created": m.created, "parent": m.parent, "metadata": m.metadata, "tree": m.tree,
         "tensors": [t.to_json() for t in m.tensors]})
+
+
+def test_a_segmented_save_caches_the_parse_of_its_root_not_the_writers_entries(tmp_path):
+    state = {"blocks": {str(i): torch.full((3,), float(i)) for i in range(1500)},
+             "step": 7, "tied": None}
+    state["tied"] = state["blocks"]["5"]
+    repo = CheckpointStore(tmp_path / "r")
+    repo.save("a", state)
+    cached = repo.manifest("a")
+    assert cached.version == M.SEGMENTED_VERSION
+    assert type(cached.tensors) is not tuple  # index blobs read through the store, on use
+    raw = repo.store.get("checkpoints/a.json")
+    assert cached.to_bytes() == raw
+    fresh = CheckpointStore(repo.store.uri).manifest("a")
+    assert list(cached.tensors) == list(fresh.tensors)
+    assert (cached.tree_ref(), cached.tree_page_refs()) == (fresh.tree_ref(),
+                                                            fresh.tree_page_refs())
+    assert_same(repo.load("a"), state)
+    # the next save in this process learns its parent's chunks from that parse: as a fresh one
+    state["blocks"]["7"] = state["blocks"]["7"] + 0.5  # a value no other block holds
+    info = repo.save("b", state)
+    assert info.chunks_written == 1 and info.chunks_reused == 1499
+    assert_same(CheckpointStore(repo.store.uri).load("b"), state)
 
 
 def test_fast_paths_taken_and_equal_to_the_reference(saved):
