@@ -27,6 +27,7 @@ from ..errors import CkptStoreError
 from ..format.dtypes import DType, by_name
 from ..format.leaf import ArrayLeaf
 from ..format.manifest import chunk_region
+from ..format.records import positional_builder
 from ..format.regions import Box, boxes
 from .options import SaveOptions
 
@@ -55,8 +56,11 @@ class TensorSpec:
     def of(leaf: ArrayLeaf, global_shape: tuple[int, ...] | None = None) -> TensorSpec:
         # (a numpy shape is a tuple of ints already; a device array's torch.Size becomes one)
         shape = tuple(leaf.array.shape) if global_shape is None else global_shape
-        return TensorSpec(leaf.key, leaf.kind, leaf.dtype, shape, leaf.requires_grad,
-                          leaf.parameter)
+        return _new_spec(leaf.key, leaf.kind, leaf.dtype, shape, leaf.requires_grad,
+                         leaf.parameter)
+
+
+_new_spec = positional_builder(TensorSpec)  # one per tensor of every save
 
 
 @dataclass(frozen=True)
@@ -98,10 +102,14 @@ class LeafPlan:
 def plan_leaves(leaves: list[ArrayLeaf], options: SaveOptions) -> list[LeafPlan]:
     """Single-process plan: small leaves packed, the rest in row blocks of ~chunk_bytes."""
     plans = []
+    packed: dict[int, LeafPlan] = {}  # one (frozen) plan per row count, shared
     for leaf in leaves:
         if 0 < leaf.nbytes <= options.pack_threshold:
             rows = max(1, leaf.array.shape[0]) if leaf.array.ndim else 1
-            plans.append(LeafPlan(rows, packed=True))
+            plan = packed.get(rows)
+            if plan is None:
+                plan = packed[rows] = LeafPlan(rows, packed=True)
+            plans.append(plan)
         else:
             plans.append(LeafPlan(rows_per_chunk(tuple(leaf.array.shape), leaf.dtype.itemsize,
                                                  options.chunk_bytes)))
