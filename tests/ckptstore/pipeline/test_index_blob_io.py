@@ -8,6 +8,7 @@ a few at a time (SegmentedEntries._each_segment). The speed must change nothing 
   the encoding of its state);
 - a put that fails leaves no checkpoint and no index blob of the batch in the folder, the
   earlier checkpoint loads, and the same save then commits;
+- a root over its cap leaves none of the save's index blobs visible;
 - an unchanged index blob is not put again by the next save (it is reused like data);
 - a segment that cannot be read fails the pass that needs it, naming it.
 """
@@ -29,6 +30,7 @@ from ckptstore.format.tree import TreeEncoder
 from ckptstore.layout import blob_key
 from ckptstore.maintenance import checks
 from ckptstore.maintenance.checks import chunk_blobs
+from ckptstore.pipeline import writer as writer_module
 from ckptstore.stores.base import DeferredPuts
 from ckptstore.stores.local import LocalStore
 from ckptstore.stores.memory import MemoryStore
@@ -86,6 +88,23 @@ def test_index_blobs_are_put_side_by_side_and_reused_when_unchanged():
     assert again, "an unchanged segment must be reused"
     assert not {blob_key(d) for d in again} & set(store.flight.keys)
     assert_same(repo.load("b"), changed)
+
+
+def test_a_root_over_the_cap_leaves_none_of_its_index_blobs_visible(
+        tmp_path: Path, monkeypatch):
+    repo = CheckpointStore(str(tmp_path))
+    state = small_state(4)
+    index_keys = {blob_key(d) for d in index_digests(_learn(state, tmp_path / "learn"), "next")}
+    monkeypatch.setattr(writer_module, "MAX_MANIFEST_BYTES", 600)  # the root is larger
+    with pytest.raises(FormatError, match="its manifest would be .* nothing was committed"):
+        repo.save("a", state)
+    left = _files(tmp_path / "blobs") if (tmp_path / "blobs").exists() else set()
+    assert left and not {f"blobs/{f}" for f in left} & index_keys  # the data blobs only
+    assert not [f for f in _files(tmp_path) if os.path.basename(f).startswith(".")]
+    assert repo.names() == []
+    monkeypatch.undo()
+    repo.save("a", state)
+    assert_same(CheckpointStore(str(tmp_path), create=False).load("a"), state)
 
 
 class _FailingBatch(DeferredPuts):
