@@ -30,7 +30,6 @@ from .canonical import canonical_str, seal
 from .codecs import Codec
 from .dtypes import DTYPES, DType
 from .hashing import HASH_NAME, hash_algorithm
-from .records import positional_builder
 from .segment_encoding import (
     DIGEST_BYTES,
     ChunkTable,
@@ -77,9 +76,6 @@ class ChunkRef:
         return {"blob": self.blob, "offset": self.offset, "size": self.size,
                 "nbytes": self.nbytes, "digest": self.digest}
 
-
-#: ChunkRef(*fields) for the loops that build one per chunk (records.py: 2x faster)
-new_chunk_ref = positional_builder(ChunkRef)
 
 #: Entries of more chunks than this, read from an index segment or built from a collective
 #: save's rows, keep them as columns (ChunkRows): a ChunkRef is built only for a chunk that
@@ -180,7 +176,7 @@ class ChunkRows(ChunkSequence):
         columns = zip(self._index.tolist(), self._offsets.tolist(), self._sizes.tolist(),
                       self._nbytes.tolist())
         for j, (b, offset, size, nbytes) in enumerate(columns):
-            yield new_chunk_ref(names[b], offset, size, nbytes, raw[j * w:(j + 1) * w])
+            yield ChunkRef(names[b], offset, size, nbytes, raw[j * w:(j + 1) * w])
 
     def __repr__(self) -> str:
         return f"ChunkRows({len(self)} chunks)"
@@ -347,10 +343,6 @@ class TensorEntry:
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
             "fill_value": fill, "codecs": codecs, "attributes": {"ckptstore": attrs},
         }
-
-
-#: TensorEntry(*all 11 fields) for the loops that build one per tensor (writer, decoders)
-new_entry = positional_builder(TensorEntry)
 
 
 def extent_ok(shape: tuple[int, ...], itemsize: int, storage_nbytes: int = 0) -> bool:

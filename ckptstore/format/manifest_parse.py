@@ -31,8 +31,6 @@ from .manifest import (
     TensorEntry,
     _zarr_fixed,
     entry_problem,
-    new_chunk_ref,
-    new_entry,
 )
 from .names import validate_name
 from .segment_encoding import SegmentRef, TreeRef
@@ -114,8 +112,7 @@ def _fast_tensor(doc: Any) -> TensorEntry | None:
     for c in chunk_docs:
         if type(c) is not dict or c.keys() != _CHUNK_FIELDS:
             return None
-        chunks.append(new_chunk_ref(c["blob"], c["offset"], c["size"], c["nbytes"],
-                                    c["digest"]))
+        chunks.append(ChunkRef(c["blob"], c["offset"], c["size"], c["nbytes"], c["digest"]))
     storage = None
     if storage_doc is not None:
         if (type(storage_doc) is not dict or storage_doc.keys() != _STORAGE_FIELDS
@@ -129,9 +126,9 @@ def _fast_tensor(doc: Any) -> TensorEntry | None:
         return None
     if dtype is None:
         return None
-    entry = new_entry(a["key"], kind, dtype, tuple(shape), a["chunk_rows"], codec,
-                      tuple(chunks), a.get("requires_grad", False), a.get("parameter", False),
-                      storage, None if grid_doc is None else tuple(grid_doc))
+    entry = TensorEntry(a["key"], kind, dtype, tuple(shape), a["chunk_rows"], codec,
+                        tuple(chunks), a.get("requires_grad", False), a.get("parameter", False),
+                        storage, None if grid_doc is None else tuple(grid_doc))
     if entry_problem(entry) is not None:
         return None
     if (doc["zarr_format"], doc["node_type"], doc["data_type"], doc["chunk_key_encoding"],

@@ -54,8 +54,6 @@ from .manifest import (
     _chunk_sizes,
     entry_problem,
     listed_rows_bad,
-    new_chunk_ref,
-    new_entry,
     rows_bad,
 )
 from .segment_encoding import (
@@ -374,13 +372,13 @@ def _decode(data: bytes, ref: SegmentRef, source: SegmentSource | None, where: s
             blob_index, offsets, sizes, nbytes = lists
             hexes = digests.hex()
             chunks = tuple(
-                new_chunk_ref(names[blob_index[j]], offsets[j], sizes[j], nbytes[j],
-                              hexes[(j - at) * width:(j - at + 1) * width])
+                ChunkRef(names[blob_index[j]], offsets[j], sizes[j], nbytes[j],
+                         hexes[(j - at) * width:(j - at + 1) * width])
                 for j in range(at, at + n))
         key, kind, dtype, shape, rows, codec = head
         grad, param, storage, grid = tail
-        entry = new_entry(key, kind, dtype, shape, rows, codec, chunks, grad, param, storage,
-                          grid)
+        entry = TensorEntry(key, kind, dtype, shape, rows, codec, chunks, grad, param, storage,
+                            grid)
         # listed chunks: their rows are checked below, all of the segment's at once
         problem = entry_problem(entry, rows_checked=type(chunks) is tuple)
         if problem is not None:
@@ -435,8 +433,8 @@ def _decode_parted(records: list[Any], parts: list[PartRef], ref: SegmentRef,
     for k, (head, tail, n) in enumerate(fields):
         key, kind, dtype, shape, rows, codec = head
         grad, param, storage, grid = tail
-        entry = new_entry(key, kind, dtype, shape, rows, codec,
-                          PartedRows(shared, k) if n else (), grad, param, storage, grid)
+        entry = TensorEntry(key, kind, dtype, shape, rows, codec,
+                            PartedRows(shared, k) if n else (), grad, param, storage, grid)
         problem = entry_problem(entry)
         if problem is not None:
             raise FormatError(f"tensor {entry.key!r:.200}: {problem}")
