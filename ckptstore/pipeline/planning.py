@@ -27,7 +27,6 @@ from ..errors import CkptStoreError
 from ..format.dtypes import DType, by_name
 from ..format.leaf import ArrayLeaf
 from ..format.manifest import chunk_region
-from ..format.records import positional_builder
 from ..format.regions import Box, boxes
 from .options import SaveOptions
 
@@ -56,11 +55,8 @@ class TensorSpec:
     def of(leaf: ArrayLeaf, global_shape: tuple[int, ...] | None = None) -> TensorSpec:
         # (a numpy shape is a tuple of ints already; a device array's torch.Size becomes one)
         shape = tuple(leaf.array.shape) if global_shape is None else global_shape
-        return _new_spec(leaf.key, leaf.kind, leaf.dtype, shape, leaf.requires_grad,
-                         leaf.parameter)
-
-
-_new_spec = positional_builder(TensorSpec)  # one per tensor of every save
+        return TensorSpec(leaf.key, leaf.kind, leaf.dtype, shape, leaf.requires_grad,
+                          leaf.parameter)
 
 
 @dataclass(frozen=True)

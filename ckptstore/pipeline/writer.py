@@ -46,7 +46,6 @@ from ..format.manifest import (
     TensorEntry,
     expected_chunk_count,
 )
-from ..format.records import positional_builder
 from ..format.segments import ChunkColumns, version_for
 from ..layout import blob_key
 from ..stores.base import Store
@@ -518,7 +517,7 @@ class CheckpointWriter:
                 pack_digest = self.options.hash.digest(pack)
             wrote = self._put_blob(pack_digest, pack)
             self.stats.count(written=total if wrote else 0, reused=0 if wrote else total)
-        new_refs = [(index, _new_chunk_ref(pack_digest, off, len(raw), len(raw), d))
+        new_refs = [(index, ChunkRef(pack_digest, off, len(raw), len(raw), d))
                     for (index, raw, d), off in zip(todo, offsets)]
         refs.update(new_refs)
         self.known.add_many(ref for _index, ref in new_refs)
@@ -714,12 +713,9 @@ def build_entries(specs: list[TensorSpec], plans: list[LeafPlan],
         except KeyError as exc:
             raise CkptStoreError(f"{spec.key}: chunk {exc.args[0][1]} was written by no "
                                  "process") from None
-        entries.append(_new_entry(  # TensorEntry's fields, in order
-            spec.key, spec.kind, spec.dtype, spec.shape, plan.chunk_rows,
-            None if plan.packed else compression, chunks, spec.requires_grad, spec.parameter,
-            None if storage is None else storage[i], None))
+        entries.append(TensorEntry(
+            key=spec.key, kind=spec.kind, dtype=spec.dtype, shape=spec.shape,
+            chunk_rows=plan.chunk_rows, codec=None if plan.packed else compression,
+            chunks=chunks, requires_grad=spec.requires_grad, parameter=spec.parameter,
+            storage=None if storage is None else storage[i]))
     return tuple(entries)
-
-
-_new_entry = positional_builder(TensorEntry)  # a save builds one per tensor
-_new_chunk_ref = positional_builder(ChunkRef)  # and one per small array it packs
