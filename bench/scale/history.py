@@ -4,7 +4,10 @@ another random 10% of the tensors (states.change, seeded by s) and saves increme
 against the latest.
 
 * "incremental": the incremental saves against the full ones (c0, and a second full
-  save into an empty repository), all from fresh processes; SaveInfo of each.
+  save into an empty repository), all from fresh processes; SaveInfo of each. Then a
+  long-lived process (a training job that saves every so often): one process saves a full
+  checkpoint and as many incremental ones as the history has, in a repository of its own,
+  each save's time and the process's RSS after it (what the store keeps between saves).
 * "ls": whole-repository commands over the checkpoints: `ckpt ls`, `ckpt du`,
   `ckpt gc --dry-run` (the CLI as a user runs it: `python -m ckptstore.cli ... --json`),
   wall time and peak RSS of the process (wait4), and `ckpt ls` of an empty repository (the
@@ -51,6 +54,24 @@ def save_step(folder: str, n: int, step: int, profile: bool = False) -> dict[str
     seconds, info = timed(lambda: repo.save(name, state))
     return {"step": step, "save_s": seconds, "changed_tensors_total": changed,
             "info": dataclasses.asdict(info)}
+
+
+def save_series(folder: str, n: int, saves: int) -> dict[str, Any]:
+    """Worker: one process saves c0 (full), then c1.. (10% more changed each, parent:
+    latest) through one CheckpointStore; each save's seconds and the RSS after it."""
+    import ckptstore
+
+    state = build("moe", n)
+    repo = ckptstore.CheckpointStore(folder)
+    out: list[dict[str, Any]] = []
+    for step in range(saves):
+        if step:
+            change(state, step)
+        seconds, info = timed(lambda name=f"c{step}": repo.save(name, state))
+        gc.collect()
+        out.append({"step": step, "save_s": seconds, "rss_after": rss_bytes(),
+                    "written_bytes": info.written_bytes})
+    return {"saves": out}
 
 
 def api_calls(folder: str) -> dict[str, Any]:
@@ -134,6 +155,11 @@ def run_incremental(ctx: Ctx, hist: History) -> dict[str, Any]:
     inc_s = min(s["save_s"] for s in incs)
     out: dict[str, Any] = {"tensors": hist.n, "full_saves": fulls, "incremental_saves": incs,
                            "full_s": full_s, "incremental_s": inc_s, "ratio": inc_s / full_s}
+    ctx.note(f"incremental: {len(hist.saves)} saves by one long-lived process")
+    series = ctx.folder("series")
+    out["same_process"] = run_worker(ctx, "history.save_series", folder=str(series),
+                                     n=hist.n, saves=len(hist.saves))
+    shutil.rmtree(series, ignore_errors=True)
     if ctx.profile:
         ctx.note("incremental: profiling one more incremental save")
         out["profile"] = run_worker(ctx, "history.save_step", folder=str(hist.folder),

@@ -68,6 +68,14 @@ def tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         out.append((f"incremental: saves of {p['tensors']:,} tensors from fresh processes "
                     f"(best incremental / best full = {p['ratio']:.2f})",
                     ["save", "time", "written", "chunks written", "process RSS"], rows))
+        series = p.get("same_process")
+        if series:
+            rows = [["full" if not s["step"] else "incremental", f"c{s['step']}",
+                     _s(s["save_s"]), _mib(s["written_bytes"]), _mib(s["rss_after"])]
+                    for s in series["saves"]]
+            out.append((f"incremental: the same saves by one long-lived process (peak RSS "
+                        f"{_mib(series['_maxrss'])})",
+                        ["save", "name", "time", "written", "RSS after it"], rows))
     if "small" in parts:
         p = parts["small"]
         wl = min(p["raw_write_one_file"]["best_s"], p["raw_write_16mib_files"]["best_s"])
