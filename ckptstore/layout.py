@@ -15,7 +15,7 @@ layout idea). Every other module builds keys through here; docs/format.md is its
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from .errors import FormatError, ObjectNotFoundError, StoreError
@@ -54,12 +54,17 @@ class _Gets(Protocol):
     def get(self, key: str) -> bytes: ...
 
 
-def segments_in(stores: Sequence[_Gets], algorithm: HashAlgorithm) -> SegmentSource:
+def segments_in(stores: Sequence[_Gets], algorithm: HashAlgorithm,
+                written: Mapping[str, bytes] | None = None) -> SegmentSource:
     """The index blobs (segments, state tree) of version-3 manifests, read as the blobs they
     are from the first of `stores` (the manifest's own store, then the tiers after it) whose
     copy matches its digest; one served by a later store is reported with a RuntimeWarning.
-    FormatError naming every copy's problem if none is good."""
+    FormatError naming every copy's problem if none is good. `written`: index blobs this
+    process wrote itself (digest -> bytes, made from those bytes), served from memory."""
     def fetch(ref: IndexBlob) -> bytes:
+        own = None if written is None else written.get(ref.digest)
+        if own is not None and len(own) == ref.size:
+            return own
         problems = []
         for i, store in enumerate(stores):
             try:

@@ -378,9 +378,13 @@ class SingleStore(CheckpointStore, kind="single"):
         if manifest is not None:
             # cache what any reader will parse from the store: the writer's own objects only
             # when they provably equal that parse, else the parse of the committed bytes
-            manifest = committed_manifest(manifest, writer.committed or manifest.to_bytes(),
-                                          expected_name=name,
-                                          segments=segments_in([self.store], self.hash))
+            # (a segmented one's parse reads its index blobs from the bytes this save
+            # wrote, then as any reader does: no read back, no round trip)
+            written = {ref.digest: data for ref, data in manifest.index_blob_data()}
+            manifest = committed_manifest(
+                manifest, writer.committed or manifest.to_bytes(), expected_name=name,
+                segments=segments_in([self.store, *self.catalog.segment_fallbacks],
+                                     self.hash, written))
             self.catalog.remember(manifest)
         s = writer.stats
         info = SaveInfo(name=name, tensors=len(leaves),

@@ -28,6 +28,7 @@ from ckptstore.format import manifest as M
 from ckptstore.format import manifest_parse as P
 from ckptstore.format.codecs import Codec
 from ckptstore.format.tree import TreeEncoder, key_string, leaf_keys, leaf_paths
+from ckptstore.layout import blob_key
 from ckptstore.pipeline import staging
 from ckptstore.pipeline.staging import StagingArena
 from ckptstore.pipeline.writer import KnownChunks
@@ -141,21 +142,28 @@ def test_a_segmented_save_caches_the_parse_of_its_root_not_the_writers_entries(t
     state["tied"] = state["blocks"]["5"]
     repo = CheckpointStore(tmp_path / "r")
     repo.save("a", state)
+    read: list[str] = []  # what this process reads back through its store from now on
+    get = repo.store.get
+    repo.store.get = lambda key, *a, **k: (read.append(key), get(key, *a, **k))[1]
     cached = repo.manifest("a")
     assert cached.version == M.SEGMENTED_VERSION
-    assert type(cached.tensors) is not tuple  # index blobs read through the store, on use
-    raw = repo.store.get("checkpoints/a.json")
+    assert type(cached.tensors) is not tuple  # index blobs read through a source, on use
+    raw = CheckpointStore(repo.store.uri).store.get("checkpoints/a.json")
     assert cached.to_bytes() == raw
     fresh = CheckpointStore(repo.store.uri).manifest("a")
     assert list(cached.tensors) == list(fresh.tensors)
     assert (cached.tree_ref(), cached.tree_page_refs()) == (fresh.tree_ref(),
                                                             fresh.tree_page_refs())
     assert_same(repo.load("a"), state)
-    # the next save in this process learns its parent's chunks from that parse: as a fresh one
+    # the next save in this process learns its parent's chunks from that parse, as a fresh
+    # one does
     state["blocks"]["7"] = state["blocks"]["7"] + 0.5  # a value no other block holds
     info = repo.save("b", state)
     assert info.chunks_written == 1 and info.chunks_reused == 1499
     assert_same(CheckpointStore(repo.store.uri).load("b"), state)
+    # the index blobs this process wrote were served from memory, never read back
+    index = {blob_key(ref.digest) for ref in fresh.index_blobs()}
+    assert len(index) > 3 and not index & set(read)
 
 
 def test_fast_paths_taken_and_equal_to_the_reference(saved):
