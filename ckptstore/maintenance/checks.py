@@ -122,7 +122,10 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
     named. An index segment a checkpoint shares with an earlier one of the pass (the same
     digest: the same entries) is not read again: its chunks were checked with that one's,
     and this checkpoint joins the users of any bad blob it names. A state tree found whole
-    and good (its blob and every page) is not read again either."""
+    and good (its blob and every page) is not read again either. An index blob (a segment,
+    its parts, a tree or a page) found missing or damaged is one problem, as a data blob
+    is, listing every checkpoint that names it (the read-ahead of a later one may still
+    fetch it; it is not checked again)."""
     if not 0 < sample <= 1:
         raise ValueError("sample must be in (0, 1]")
     t0 = time.perf_counter()
@@ -186,7 +189,7 @@ def _unchecked_uses(store: Store, m: Manifest, report: VerifyReport, chosen: set
     read: `m` joins the users of the bad blobs they name."""
     uses: dict[str, list[tuple[str, TensorEntry, ChunkRef]]] = defaultdict(list)
     segments: dict[str, frozenset[str]] = {}
-    for digest, entries in _readable_segments(store, m, report, seen):
+    for digest, entries in _readable_segments(store, m, report, seen, bad):
         blobs: set[str] = set()
         for t in entries:
             for c in t.chunks:
@@ -218,52 +221,61 @@ class _Seen:
     trees: set[str] = field(default_factory=set)
 
 
-def _readable_segments(store: Store, m: Manifest, report: VerifyReport, seen: _Seen
+def _readable_segments(store: Store, m: Manifest, report: VerifyReport, seen: _Seen,
+                       bad: dict[str, tuple[str, str, set[str], set[str]]]
                        ) -> Iterator[tuple[str | None, Sequence[TensorEntry]]]:
     """The tensor entries of `m` as (index segment digest, its entries), a segment at a time
     (not kept); (None, all of them) for a manifest without segments read from a store. A
     version-3 manifest's index blobs (its tree, its pages, its segments and their parts) are
     read and checked whole, but for those `seen` (not read; a tree found whole and good is
-    added to it); one that is missing or damaged is a problem of the report, and a segment's
-    tensors' chunks then cannot be checked."""
+    added to it); one that is missing or damaged goes into `bad` as a data blob does (one
+    problem, every checkpoint that names it), and a segment's tensors' chunks then cannot be
+    checked."""
     entries = m.tensors
     if not isinstance(entries, SegmentedEntries):
         yield None, entries
         return
     tree_ref = m.tree_ref()
     if tree_ref.digest not in seen.trees:
-        problems = len(report.problems)
-        tree = _index_blob(store, m, report, tree_ref, lambda: m.tree, "(state tree)")
+        tree = _index_blob(store, m, report, bad, tree_ref, lambda: m.tree, "(state tree)")
+        whole = tree is not None
         if tree is not None:
             for page, read in page_loads(tree):
-                _index_blob(store, m, report, page, read, "(state tree page)")
-        if len(report.problems) == problems:
+                whole &= _index_blob(store, m, report, bad, page, read,
+                                     "(state tree page)") is not None
+        if whole:
             seen.trees.add(tree_ref.digest)
     for s, read in entries.read_segments(seen.segments.keys()):
-        got = _index_blob(store, m, report, entries.refs[s], read, "(index segment)")
+        got = _index_blob(store, m, report, bad, entries.refs[s], read, "(index segment)")
         if got is None:
             continue
         shared = segment_parts(got)  # a parted segment: each part checked as a blob too
         if shared is not None:
             loads = shared.loads()
             run_concurrently([read for _part, read in loads], PART_READ_THREADS)
-            found = [_index_blob(store, m, report, part, read, "(index segment part)")
+            found = [_index_blob(store, m, report, bad, part, read, "(index segment part)")
                      for part, read in loads]  # every part, each problem reported
             if any(rows is None for rows in found):
                 continue
         yield entries.refs[s].digest, got
 
 
-def _index_blob(store: Store, m: Manifest, report: VerifyReport, ref: IndexBlob,
+def _index_blob(store: Store, m: Manifest, report: VerifyReport,
+                bad: dict[str, tuple[str, str, set[str], set[str]]], ref: IndexBlob,
                 read: Callable[[], T], label: str) -> T | None:
-    """`read()` (which reads and checks one index blob of `m`), or None with the problem
-    reported."""
+    """`read()` (which reads and checks one index blob of `m`), or None with the problem in
+    `bad`. A blob already found bad in this run is not checked again: `m` joins its users."""
+    known = bad.get(ref.digest)
+    if known is not None:
+        known[2].add(m.name)
+        known[3].add(label)
+        return None
     report.blobs_checked += 1
     try:
         got = read()
     except FormatError as exc:
         kind = "corrupt" if store.exists(blob_key(ref.digest)) else "missing"
-        report.problems.append(BlobProblem(ref.digest, kind, str(exc), (m.name,), (label,)))
+        bad[ref.digest] = (kind, str(exc), {m.name}, {label})
         return None
     report.bytes_checked += ref.size
     return got

@@ -541,11 +541,11 @@ def test_verify_reads_a_state_tree_checkpoints_share_once_unless_it_is_damaged()
     store.slow_keys = {blob_key(r.digest) for r in trees | pages}
     assert checks.verify(store, manifests).ok
     assert sorted(store.flight.keys) == sorted(blob_key(r.digest) for r in trees | pages)
-    lost = sorted(pages, key=lambda r: r.digest)[0]  # then every checkpoint names it
+    lost = sorted(pages, key=lambda r: r.digest)[0]  # one problem naming every checkpoint
     store.missing = {blob_key(lost.digest)}
     report = checks.verify(store, [CheckpointStore(store).manifest(n) for n in "abc"])
-    assert [(p.blob, p.problem, p.checkpoints) for p in report.problems] == [
-        (lost.digest, "missing", (n,)) for n in "abc"]
+    assert [(p.blob, p.problem, p.checkpoints, p.keys) for p in report.problems] == [
+        (lost.digest, "missing", ("a", "b", "c"), ("(state tree page)",))]
 
 
 def test_verify_reads_a_shared_segment_once_and_names_every_checkpoint_using_a_bad_blob():
