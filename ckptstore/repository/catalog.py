@@ -112,6 +112,12 @@ class Catalog:
             self.remember(manifest)
         return manifest
 
+    def stored(self, name: str) -> Manifest:
+        """The manifest of `name` as the store holds it now: read and parsed, neither taken
+        from nor put in the cache, its index blobs read from the store when used (what a
+        verify checks, not what this process remembers having written)."""
+        return self._read(name)
+
     def _read(self, name: str) -> Manifest:
         """Read, parse and validate the manifest of `name` from the store (not cached)."""
         return self._parse(name, self._fetch(name))

@@ -163,6 +163,25 @@ def test_corrupt_segment_is_refused_and_found_by_verify(tmp_path: Path) -> None:
     assert report.problems and "corrupt" in str(report.problems[0])
 
 
+def test_the_saving_process_verifies_what_the_store_holds_not_what_it_wrote(
+        tmp_path: Path) -> None:
+    """The store caches a save's manifest with the index blobs it wrote: a verify in the same
+    process must still read them from the store, and find them damaged there."""
+    repo = CheckpointStore(str(tmp_path))
+    repo.save("a", big_state())
+    doc = root(tmp_path, "a")
+    segment, tree = doc["segments"][1]["digest"], doc["tree_blob"]["digest"]
+    for digest in (segment, tree):
+        p = segment_path(tmp_path, digest)
+        data = bytearray(p.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        p.write_bytes(bytes(data))
+    report = repo.verify("a")
+    assert {(p.blob, p.problem, p.checkpoints) for p in report.problems} == {
+        (segment, "corrupt", ("a",)), (tree, "corrupt", ("a",))}
+    assert repo.verify().problems == report.problems  # "latest" names the same
+
+
 def test_gc_keeps_segments_of_live_checkpoints_and_reclaims_the_rest(tmp_path: Path) -> None:
     with CheckpointStore(str(tmp_path)) as repo:
         repo.save("a", big_state())
