@@ -24,7 +24,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -33,6 +33,7 @@ from ..errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError, 
 from ..format.hashing import HashAlgorithm
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..format.manifest_parse import parse_manifest
+from ..format.segments import SegmentSource
 from ..layout import MANIFEST_PREFIX, manifest_key, name_of_manifest_key, segments_in
 from ..pipeline.options import METADATA_THREADS
 from ..stores.base import ObjectInfo, Store
@@ -142,10 +143,15 @@ class Catalog:
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.store.uri}"
                                           ) from None
 
+    def segment_source(self, written: Mapping[str, bytes] | None = None) -> SegmentSource:
+        """Where this store's version-3 manifests read their index blobs: the store, then
+        its fallbacks (layout.segments_in); `written` (digest -> bytes: blobs this process
+        wrote itself) first."""
+        return segments_in([self.store, *self.segment_fallbacks], self.hash, written)
+
     def _parse(self, name: str, raw: bytes) -> Manifest:
         try:
-            return parse_manifest(raw, name, self.hash,
-                                  segments_in([self.store, *self.segment_fallbacks], self.hash))
+            return parse_manifest(raw, name, self.hash, self.segment_source())
         except FormatError as exc:
             raise FormatError(f"checkpoint {name!r} in {self.store.uri}: {exc}") from None
 

@@ -49,7 +49,7 @@ from ..format.manifest import BlobUnion, Manifest
 from ..format.manifest_parse import committed_manifest
 from ..format.names import validate_name
 from ..format.tree import TreeEncoder, flatten_arrays
-from ..layout import blob_key, manifest_key, segments_in
+from ..layout import blob_key, manifest_key
 from ..maintenance import checks, leases
 from ..pipeline.commit import Committer, LocalCommitter, SaveRequest
 from ..pipeline.options import (
@@ -383,8 +383,7 @@ class SingleStore(CheckpointStore, kind="single"):
             written = {ref.digest: data for ref, data in manifest.index_blob_data()}
             manifest = committed_manifest(
                 manifest, writer.committed or manifest.to_bytes(), expected_name=name,
-                segments=segments_in([self.store, *self.catalog.segment_fallbacks],
-                                     self.hash, written))
+                segments=self.catalog.segment_source(written))
             self.catalog.remember(manifest)
         s = writer.stats
         info = SaveInfo(name=name, tensors=len(leaves),
