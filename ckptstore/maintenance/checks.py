@@ -55,6 +55,11 @@ class BlobProblem:
     keys: tuple[str, ...]
 
 
+#: a verify run's bad blobs (data or index): blob -> (problem, detail, the checkpoints and
+#: the keys using it), one entry however many checkpoints name the blob
+_BadBlobs = dict[str, tuple[str, str, set[str], set[str]]]
+
+
 @dataclass
 class VerifyReport:
     checkpoints: list[str]
@@ -135,7 +140,7 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
         blobs = sorted(chunk_blobs(manifests))
         chosen = set(random.sample(blobs, max(1, round(len(blobs) * sample))) if blobs else ())
     checked: set[tuple[str, int, int]] = set()  # (blob, offset, size) of good chunks
-    bad: dict[str, tuple[str, str, set[str], set[str]]] = {}  # blob -> problem, detail, users
+    bad: _BadBlobs = {}
     seen = _Seen()
     with cf.ThreadPoolExecutor(workers) as pool:
         # the next checkpoint's segments that this one and earlier ones do not name are read
@@ -180,7 +185,7 @@ def chunk_blobs(manifests: list[Manifest]) -> set[str]:
 
 def _unchecked_uses(store: Store, m: Manifest, report: VerifyReport, chosen: set[str] | None,
                     checked: set[tuple[str, int, int]],
-                    bad: dict[str, tuple[str, str, set[str], set[str]]], seen: _Seen
+                    bad: _BadBlobs, seen: _Seen
                     ) -> tuple[dict[str, list[tuple[str, TensorEntry, ChunkRef]]],
                                dict[str, frozenset[str]]]:
     """The chunks of `m` still to check, by blob: those in `chosen` blobs (None: all), not
@@ -222,7 +227,7 @@ class _Seen:
 
 
 def _readable_segments(store: Store, m: Manifest, report: VerifyReport, seen: _Seen,
-                       bad: dict[str, tuple[str, str, set[str], set[str]]]
+                       bad: _BadBlobs
                        ) -> Iterator[tuple[str | None, Sequence[TensorEntry]]]:
     """The tensor entries of `m` as (index segment digest, its entries), a segment at a time
     (not kept); (None, all of them) for a manifest without segments read from a store. A
@@ -261,7 +266,7 @@ def _readable_segments(store: Store, m: Manifest, report: VerifyReport, seen: _S
 
 
 def _index_blob(store: Store, m: Manifest, report: VerifyReport,
-                bad: dict[str, tuple[str, str, set[str], set[str]]], ref: IndexBlob,
+                bad: _BadBlobs, ref: IndexBlob,
                 read: Callable[[], T], label: str) -> T | None:
     """`read()` (which reads and checks one index blob of `m`), or None with the problem in
     `bad`. A blob already found bad in this run is not checked again: `m` joins its users."""
