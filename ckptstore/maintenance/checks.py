@@ -129,8 +129,7 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
     and this checkpoint joins the users of any bad blob it names. A state tree found whole
     and good (its blob and every page) is not read again either. An index blob (a segment,
     its parts, a tree or a page) found missing or damaged is one problem, as a data blob
-    is, listing every checkpoint that names it (the read-ahead of a later one may still
-    fetch it; it is not checked again)."""
+    is, listing every checkpoint that names it; it is not read again, not even ahead."""
     if not 0 < sample <= 1:
         raise ValueError("sample must be in (0, 1]")
     t0 = time.perf_counter()
@@ -143,9 +142,9 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
     bad: _BadBlobs = {}
     seen = _Seen()
     with cf.ThreadPoolExecutor(workers) as pool:
-        # the next checkpoint's segments that this one and earlier ones do not name are read
-        # while this one is checked
-        for m in with_next_read_ahead(manifests, seen.segments.keys):
+        # the next checkpoint's segments that this one and earlier ones do not name, and
+        # that were not found bad, are read while this one is checked
+        for m in with_next_read_ahead(manifests, lambda: seen.segments.keys() | bad.keys()):
             uses, segments = _unchecked_uses(store, m, report, chosen, checked, bad, seen)
             futures = {pool.submit(_check_blob, store, algorithm.digest, b, u): b
                        for b, u in uses.items()}
@@ -250,14 +249,17 @@ def _readable_segments(store: Store, m: Manifest, report: VerifyReport, seen: _S
                                      "(state tree page)") is not None
         if whole:
             seen.trees.add(tree_ref.digest)
-    for s, read in entries.read_segments(seen.segments.keys()):
+    for ref in entries.refs:  # found bad earlier in the run: `m` joins its users, unread
+        _joined_bad(bad, ref.digest, m.name, "(index segment)")
+    for s, read in entries.read_segments(seen.segments.keys() | bad.keys()):
         got = _index_blob(store, m, report, bad, entries.refs[s], read, "(index segment)")
         if got is None:
             continue
         shared = segment_parts(got)  # a parted segment: each part checked as a blob too
         if shared is not None:
             loads = shared.loads()
-            run_concurrently([read for _part, read in loads], PART_READ_THREADS)
+            run_concurrently([read for part, read in loads if part.digest not in bad],
+                             PART_READ_THREADS)
             found = [_index_blob(store, m, report, bad, part, read, "(index segment part)")
                      for part, read in loads]  # every part, each problem reported
             if any(rows is None for rows in found):
@@ -270,10 +272,7 @@ def _index_blob(store: Store, m: Manifest, report: VerifyReport,
                 read: Callable[[], T], label: str) -> T | None:
     """`read()` (which reads and checks one index blob of `m`), or None with the problem in
     `bad`. A blob already found bad in this run is not checked again: `m` joins its users."""
-    known = bad.get(ref.digest)
-    if known is not None:
-        known[2].add(m.name)
-        known[3].add(label)
+    if _joined_bad(bad, ref.digest, m.name, label):
         return None
     report.blobs_checked += 1
     try:
@@ -284,6 +283,17 @@ def _index_blob(store: Store, m: Manifest, report: VerifyReport,
         return None
     report.bytes_checked += ref.size
     return got
+
+
+def _joined_bad(bad: _BadBlobs, blob: str, name: str, label: str) -> bool:
+    """Whether `blob` was found bad earlier in the run; if so checkpoint `name` (using it as
+    `label`) joins its users."""
+    known = bad.get(blob)
+    if known is None:
+        return False
+    known[2].add(name)
+    known[3].add(label)
+    return True
 
 
 @dataclass

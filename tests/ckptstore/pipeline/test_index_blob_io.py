@@ -574,6 +574,27 @@ def test_verify_reads_a_shared_segment_once_and_names_every_checkpoint_using_a_b
         (blob, "corrupt", ("a", "b", "c"), ("a.big",))]
 
 
+def test_verify_reads_a_damaged_segment_once_when_a_later_checkpoint_names_it_again():
+    """a and c share a segment that b does not name (c puts a tensor back as it was in a, and
+    learns a's chunks): once verify found it damaged in a, c's read-ahead does not fetch it."""
+    store = _SlowReadStore(f"verify-bad-ahead-{os.getpid()}")
+    first = small_state(17)
+    repo = CheckpointStore(store)
+    repo.save("a", first)
+    repo.save("b", {**first, "blocks.3.p1": first["blocks.3.p1"] + 1})
+    repo.save("c", first, parent="a")
+    manifests = [CheckpointStore(store).manifest(n) for n in "abc"]
+    refs = [{r.digest for r in m.segment_refs()} for m in manifests]
+    assert refs[0] == refs[2]
+    (lost,) = refs[0] - refs[1]
+    store.put(blob_key(lost), b"\0" + store.get(blob_key(lost))[1:])  # damaged in place
+    store.slow_keys = {blob_key(lost)}
+    report = checks.verify(store, manifests)
+    assert [(p.blob, p.problem, p.checkpoints) for p in report.problems] == [
+        (lost, "corrupt", ("a", "c"))]
+    assert store.flight.keys == [blob_key(lost)]  # read once, by a
+
+
 def test_a_save_beside_training_puts_its_index_blobs_within_its_turns():
     """A background save takes one core from training (concurrency.Turns): its commit's
     index puts wait for their turn like its data writes, one at a time by default."""
