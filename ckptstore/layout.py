@@ -59,13 +59,17 @@ def segments_in(stores: Sequence[_Gets], algorithm: HashAlgorithm,
     """The index blobs (segments, state tree) of version-3 manifests, read as the blobs they
     are from the first of `stores` (the manifest's own store, then the tiers after it) whose
     copy matches its digest; one served by a later store is reported with a RuntimeWarning.
-    FormatError naming every copy's problem if none is good. `written`: index blobs this
-    process wrote itself (digest -> bytes, made from those bytes), served from memory."""
+    If none is good: FormatError naming every copy's problem when each is missing or
+    damaged (the checkpoint is damaged), StoreError when a store failed to answer (an
+    outage is not damage: a caller must not fall back to an older checkpoint for it).
+    `written`: index blobs this process wrote itself (digest -> bytes, made from those
+    bytes), served from memory."""
     def fetch(ref: IndexBlob) -> bytes:
         own = None if written is None else written.get(ref.digest)
         if own is not None and len(own) == ref.size:
             return own
         problems = []
+        failed: StoreError | None = None  # a store that could not tell what it holds
         for i, store in enumerate(stores):
             try:
                 data = store.get(blob_key(ref.digest))
@@ -74,6 +78,7 @@ def segments_in(stores: Sequence[_Gets], algorithm: HashAlgorithm,
                 continue
             except StoreError as exc:
                 problems.append(f"unreadable in {store.uri} ({exc})")
+                failed = exc
                 continue
             if len(data) != ref.size or algorithm.digest(data) != ref.digest:
                 problems.append(f"corrupt in {store.uri} (its content does not match its "
@@ -83,6 +88,9 @@ def segments_in(stores: Sequence[_Gets], algorithm: HashAlgorithm,
                 warnings.warn(f"index blob {ref.digest}: {'; '.join(problems)}; read from "
                               f"{store.uri}", RuntimeWarning, stacklevel=2)
             return data
+        if failed is not None:  # not known to be damaged: its copy there may be good
+            raise StoreError(f"index blob {ref.digest} could not be read: "
+                             f"{'; '.join(problems)}") from failed
         raise FormatError(f"index blob {ref.digest} has no good copy: {'; '.join(problems)}")
     return fetch
 

@@ -138,21 +138,27 @@ class CheckpointReader:
         fn(*args, source=0)
 
     def _job_with_fallback(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        """A job on the first source that has a good copy. When none has: IntegrityError
+        (damage) only if every source answered that its copy is missing or bad; if one of
+        them failed to answer (StoreError: an outage, not damage), that StoreError."""
         failed: list[int] = []
         first: BaseException | None = None
+        outage: StoreError | None = None
         for i in range(len(self.sources)):
             try:
                 fn(*args, source=i)
             except (IntegrityError, StoreError) as exc:
                 failed.append(i)
                 first = first or exc
+                if isinstance(exc, StoreError):
+                    outage = outage or exc
                 continue
             if failed and self.on_fallback is not None:
                 blob = args[0] if isinstance(args[0], str) else args[0].chunk.blob
                 self.on_fallback(blob, i, failed)
             return
         assert first is not None
-        raise first
+        raise outage if outage is not None else first
 
     # ------------------------------------------------------------------ jobs
     def _fetch_into(self, entry: TensorEntry, blob: str, start: int, out: memoryview,

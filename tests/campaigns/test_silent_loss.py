@@ -3,7 +3,9 @@
 1. gc trusting its own clock (skewed hosts deleted a running save's blobs);
 2. retention deleting a rolled-back run, and a restart resuming the abandoned one;
 3. one stray or torn file under checkpoints/ stopping every save, list, gc and restore;
-6. dotted keys that collide (`{"a": {"b": x}, "a.b": y}`) filling one tensor with another's data.
+6. dotted keys that collide (`{"a": {"b": x}, "a.b": y}`) filling one tensor with another's data;
+7. a store that failed to answer (an index blob's read, or a far tier's, failing with HTTP 500
+   on every retry) taken for damage: restore resumed from the step before without an error.
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptstore import CheckpointManager, CheckpointStore, UnsupportedTypeError
+from ckptstore.errors import StoreError
 from ckptstore.layout import blob_key
 from ckptstore.maintenance import leases
 from ckptstore.maintenance.checks import MIN_BLOB_AGE
 from ckptstore.pipeline.writer import CheckpointWriter
+from ckptstore.stores.local import LocalStore
 
 
 def state_of(seed: int, n: int = 4096) -> dict[str, torch.Tensor]:
@@ -250,6 +255,78 @@ def test_restore_falls_back_when_the_newest_checkpoint_lost_a_blob(tmp_path: Pat
     assert torch.equal(state["w"], torch.full((1024,), 1.0))
     with pytest.raises(Exception, match=blob):  # asked for by step: no silent substitute
         mgr.restore(state, step=2)
+    mgr.close()
+
+
+class _Outage(LocalStore):
+    """A folder whose reads of `down` keys fail as a server error does (every retry spent)."""
+
+    down: frozenset[str] = frozenset()
+
+    def _fail(self, key: str) -> None:
+        if key in self.down:
+            raise StoreError(f"read {key}: HTTP 500 InternalError (every attempt)")
+
+    def get(self, key):
+        self._fail(key)
+        return super().get(key)
+
+    def read_into(self, key, start, out):
+        self._fail(key)
+        super().read_into(key, start, out)
+
+    def read_into_digest(self, key, start, out):
+        self._fail(key)
+        return super().read_into_digest(key, start, out)
+
+
+@pytest.mark.parametrize("lost", ["index blob", "data blob"])
+def test_restore_never_takes_an_older_step_because_the_store_failed_to_answer(
+        tmp_path: Path, lost: str) -> None:
+    # a 500 on the newest checkpoint's index segment was taken for damage: restore resumed
+    # from the step before, silently losing a step, though step 2 loads once the server is back
+    store = _Outage(tmp_path / "run")
+    mgr = CheckpointManager(CheckpointStore(store))
+    for step in (1, 2):  # more than 1,024 tensors: index segments (manifest version 3)
+        mgr.save(step, {"w": {f"t{i}": torch.full((4,), float(step + i)) for i in range(1100)}})
+    manifests = {s: CheckpointStore(tmp_path / "run").manifest(f"step-{s}") for s in (1, 2)}
+    index = {s: {r.digest for r in m.index_blobs()} for s, m in manifests.items()}
+    digests = {s: index[s] if lost == "index blob" else m.blob_digests() - index[s]
+               for s, m in manifests.items()}
+    store.down = frozenset(blob_key(d) for d in digests[2] - digests[1])
+    assert store.down
+    fresh = CheckpointManager(CheckpointStore(store))
+    state = {"w": {f"t{i}": torch.zeros(4) for i in range(1100)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "step 2 is damaged; resuming from step 1"
+        with pytest.raises(StoreError, match="HTTP 500"):
+            fresh.restore(state)
+    store.down = frozenset()
+    assert fresh.restore(state) == 2 and float(state["w"]["t5"][0]) == 7.0
+    mgr.close()
+    fresh.close()
+
+
+def test_a_chunk_missing_near_while_the_far_tier_fails_to_answer_is_not_damage(
+        tmp_path: Path) -> None:
+    far = _Outage(tmp_path / "far")
+    mgr = CheckpointManager(CheckpointStore([LocalStore(tmp_path / "near"), far]))
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((1024,), float(step))})
+    mgr.repo.wait_replicated()
+    (blob,) = (mgr.repo.manifest("step-2").blob_digests()
+               - mgr.repo.manifest("step-1").blob_digests())
+    (tmp_path / "near" / blob_key(blob)).unlink()
+    far.down = frozenset({blob_key(blob)})
+    state = {"w": torch.zeros(1024)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(StoreError, match="HTTP 500"):
+            mgr.restore(state)
+    far.down = frozenset()
+    with pytest.warns(RuntimeWarning, match=blob):  # read from far, written near again
+        assert mgr.restore(state) == 2
+    assert torch.equal(state["w"], torch.full((1024,), 2.0))
     mgr.close()
 
 
