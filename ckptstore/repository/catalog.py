@@ -2,18 +2,23 @@
 
 A manifest is immutable once committed, so parsed manifests are cached (the most recently
 used ones, up to CACHE_TENSORS tensor entries in all, so a long-lived store does not keep
-every manifest it ever read). Commit order is the manifests' `created` (each save sets it
-later than the newest checkpoint it saw): canonical JSON sorts keys, so a manifest starts
-with `{"created":<time>,"format":"ckptstore.manifest"`, and the order is read from the first
-96 bytes of each manifest (ranged reads, METADATA_THREADS at a time), once per manifest
-object: a listing whose name, size and modification time are unchanged reuses the time read
-before, so a save in a repository of 500 checkpoints costs one listing, not 500 reads; a
-fresh process starts from the times a saving process recorded (order_hint.py). Only
-the manifests asked for are parsed; a pass over every manifest (`scan`, `in_turn` for list,
-ls, du, gc) does not cache what it reads, so it holds one parsed manifest at a time (the
-passes of ls, du and gc two: they read the next one's index segments meanwhile), while the
-bytes of the next few are read side by side. `latest` is the newest whole checkpoint in
-that order, never a stored pointer.
+every manifest it ever read). A name is not: another process may delete a checkpoint and
+save another under its name. So a cached manifest is used only while the store still holds
+the object it was parsed from (the same size and modification time, `_Identity`: one stat);
+otherwise it is dropped and the store's object read (on S3, whose modification times have a
+resolution of a second, a name deleted and saved again within the second its cached object
+was written, at the same size, is not told apart). Commit order is the manifests' `created`
+(each save sets it later than the newest checkpoint it saw): canonical JSON sorts keys, so a
+manifest starts with `{"created":<time>,"format":"ckptstore.manifest"`, and the order is
+read from the first 96 bytes of each manifest (ranged reads, METADATA_THREADS at a time),
+once per manifest object: a listing whose name, size and modification time are unchanged
+reuses the time read before, so a save in a repository of 500 checkpoints costs one listing,
+not 500 reads; a fresh process starts from the times a saving process recorded
+(order_hint.py). Only the manifests asked for are parsed; a pass over every manifest
+(`scan`, `in_turn` for list, ls, du, gc) does not cache what it reads, so it holds one
+parsed manifest at a time (the passes of ls, du and gc two: they read the next one's index
+segments meanwhile), while the bytes of the next few are read side by side. `latest` is the
+newest whole checkpoint in that order, never a stored pointer.
 """
 
 from __future__ import annotations
@@ -52,6 +57,14 @@ READ_AHEAD_MANIFEST_BYTES = 8 << 20
 log = logging.getLogger("ckptstore")
 
 
+#: (size, modification time) of the manifest object a cached parse was read from
+_Identity = tuple[int, float]
+
+
+def _identity(info: ObjectInfo) -> _Identity:
+    return (info.size, info.mtime)
+
+
 def _given(manifest: Manifest, _name: str) -> Manifest:
     return manifest
 
@@ -84,7 +97,8 @@ class Catalog:
     def __init__(self, store: Store, hash: HashAlgorithm) -> None:
         self.store = store
         self.hash = hash
-        self._manifests: OrderedDict[str, Manifest] = OrderedDict()  # least recently used first
+        #: parsed manifests and the object each was read from, least recently used first
+        self._manifests: OrderedDict[str, tuple[Manifest, _Identity]] = OrderedDict()
         self._cached_tensors = 0
         #: {name: created} as last listed (see `known_created`); None: never listed
         self._seen: dict[str, float] | None = None
@@ -98,47 +112,71 @@ class Catalog:
 
     # ------------------------------------------------------------------ manifests
     def manifest(self, name: str, *, cache: bool = True) -> Manifest:
-        """The parsed, validated manifest of checkpoint `name` (cached). The size cap is
-        checked before the object is read. `cache=False` (a pass over every manifest: list,
-        ls, du, gc) reuses a cached manifest but does not cache the one it reads, so such a
-        pass holds one parsed manifest at a time whatever the number of checkpoints."""
-        with self._lock:
-            cached = self._manifests.get(name)
-            if cached is not None and cache:
-                self._manifests.move_to_end(name)
+        """The parsed, validated manifest of checkpoint `name` (cached while the store holds
+        the object it was read from). The size cap is checked before the object is read.
+        `cache=False` (a pass over every manifest: list, ls, du, gc) reuses a cached manifest
+        but does not cache the one it reads, so such a pass holds one parsed manifest at a
+        time whatever the number of checkpoints."""
+        cached = self._cached(name, touch=cache)
         if cached is not None:
             return cached
-        manifest = self._read(name)
+        manifest, identity = self._read(name)
         if cache:
-            self.remember(manifest)
+            self.remember(manifest, identity)
         return manifest
+
+    def _cached(self, name: str, touch: bool = True) -> Manifest | None:
+        """The cached manifest of `name` if the store still holds the object it was read from
+        (one stat); a stale one (deleted, or another object saved under the name since) is
+        dropped. `touch`: mark it most recently used."""
+        with self._lock:
+            entry = self._manifests.get(name)
+        if entry is None:
+            return None
+        try:
+            now = _identity(self.store.stat(manifest_key(name)))
+        except ObjectNotFoundError:
+            now = None
+        with self._lock:
+            if self._manifests.get(name) is not entry:
+                return None  # replaced or dropped meanwhile: read it
+            if now != entry[1]:
+                self._drop(name)
+                return None
+            if touch:
+                self._manifests.move_to_end(name)
+        return entry[0]
 
     def stored(self, name: str) -> Manifest:
         """The manifest of `name` as the store holds it now: read and parsed, neither taken
         from nor put in the cache, its index blobs read from the store when used (what a
         verify checks, not what this process remembers having written)."""
-        return self._read(name)
+        return self._read(name)[0]
 
-    def _read(self, name: str) -> Manifest:
-        """Read, parse and validate the manifest of `name` from the store (not cached)."""
-        return self._parse(name, self._fetch(name))
+    def _read(self, name: str) -> tuple[Manifest, _Identity]:
+        """Read, parse and validate the manifest of `name` from the store (not cached), and
+        the identity of the object read."""
+        raw, identity = self._fetch_at_most(name, MAX_MANIFEST_BYTES)
+        assert raw is not None  # within the cap, or _fetch_at_most raised
+        return self._parse(name, raw), identity
 
     def _fetch(self, name: str) -> bytes:
-        raw = self._fetch_at_most(name, MAX_MANIFEST_BYTES)
-        assert raw is not None  # within the cap, or _fetch_at_most raised
+        raw = self._fetch_at_most(name, MAX_MANIFEST_BYTES)[0]
+        assert raw is not None
         return raw
 
-    def _fetch_at_most(self, name: str, most: int) -> bytes | None:
+    def _fetch_at_most(self, name: str, most: int) -> tuple[bytes | None, _Identity]:
         """The bytes of the manifest of `name`, its size checked against the cap before it is
-        read; None (nothing read) where it is larger than `most` but within the cap."""
+        read (None, nothing read, where it is larger than `most` but within the cap), and the
+        identity of the object as stat'd before the read."""
         key = manifest_key(name)
         try:
-            size = self.store.stat(key).size
-            if size > MAX_MANIFEST_BYTES:
+            info = self.store.stat(key)
+            if info.size > MAX_MANIFEST_BYTES:
                 raise FormatError(f"checkpoint {name!r} in {self.store.uri}: manifest of "
-                                  f"{size} bytes is larger than the {MAX_MANIFEST_BYTES} "
+                                  f"{info.size} bytes is larger than the {MAX_MANIFEST_BYTES} "
                                   "allowed")
-            return None if size > most else self.store.get(key)
+            return (None if info.size > most else self.store.get(key)), _identity(info)
         except ObjectNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.store.uri}"
                                           ) from None
@@ -167,10 +205,12 @@ class Catalog:
         next MANIFEST_READ_AHEAD are read side by side (a remote store's round trips
         overlap), at most READ_AHEAD_MANIFEST_BYTES each: a larger one is read in its turn."""
         with self._lock:
-            cached = {n: m for n in names if (m := self._manifests.get(n)) is not None}
+            held = [n for n in names if n in self._manifests]
+        cached = {n: m for n in held if (m := self._cached(n, touch=False)) is not None}
 
-        def parsed(fetched: Callable[[], bytes | None], name: str) -> Manifest:
-            raw = fetched()  # raises what reading it raised
+        def parsed(fetched: Callable[[], tuple[bytes | None, _Identity]], name: str
+                   ) -> Manifest:
+            raw = fetched()[0]  # raises what reading it raised
             return self._parse(name, raw if raw is not None else self._fetch(name))
 
         todo = [n for n in names if n not in cached]
@@ -184,19 +224,29 @@ class Catalog:
                 else:
                     yield name, functools.partial(parsed, next(fetched))
 
-    def remember(self, manifest: Manifest) -> None:
+    def remember(self, manifest: Manifest, identity: _Identity | None = None) -> None:
         """Cache a manifest this process committed (or read): it equals what any reader
-        parses from the store."""
+        parses from the object of `identity` (None: stat the object now; a manifest gone
+        already is not cached)."""
+        if identity is None:
+            try:
+                identity = _identity(self.store.stat(manifest_key(manifest.name)))
+            except ObjectNotFoundError:
+                return
         with self._lock:
-            old = self._manifests.pop(manifest.name, None)
-            self._cached_tensors -= 0 if old is None else len(old.tensors)
-            self._manifests[manifest.name] = manifest
+            self._drop(manifest.name)
+            self._manifests[manifest.name] = (manifest, identity)
             self._cached_tensors += len(manifest.tensors)
             while self._cached_tensors > CACHE_TENSORS and len(self._manifests) > 1:
-                _name, evicted = self._manifests.popitem(last=False)
+                _name, (evicted, _identity_) = self._manifests.popitem(last=False)
                 self._cached_tensors -= len(evicted.tensors)
             if self._seen is not None:
                 self._seen[manifest.name] = manifest.created
+
+    def _drop(self, name: str) -> None:
+        """Drop the cached manifest of `name`, if any (the lock held)."""
+        old = self._manifests.pop(name, None)
+        self._cached_tensors -= 0 if old is None else len(old[0].tensors)
 
     def note_committed(self, name: str, created: float) -> None:
         """A checkpoint committed in this store by someone else (replication)."""
@@ -207,8 +257,7 @@ class Catalog:
     def forget(self, name: str) -> None:
         """`name` was deleted from this store."""
         with self._lock:
-            old = self._manifests.pop(name, None)
-            self._cached_tensors -= 0 if old is None else len(old.tensors)
+            self._drop(name)
             if self._seen is not None:
                 self._seen.pop(name, None)
 
@@ -297,7 +346,7 @@ class Catalog:
         unknown = [name for name, c in known.items() if c is None]
         if unknown:
             with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
-                found = list(pool.map(lambda n: self._created(n, listed[n].size), unknown))
+                found = list(pool.map(lambda n: self._created(n, listed[n]), unknown))
             known.update(zip(unknown, found))
         order = sorted((c, name) for name, c in known.items() if c is not None)
         heads = {(n, listed[n].size, listed[n].mtime): c for c, n in order}
@@ -322,14 +371,15 @@ class Catalog:
         with self._lock:
             return None if self._seen is None else dict(self._seen)
 
-    def _created(self, name: str, size: int) -> float | None:
+    def _created(self, name: str, info: ObjectInfo) -> float | None:
         """Creation time of a checkpoint from its manifest's first bytes (or, for a manifest
         not in canonical form, the whole manifest); None if it was deleted meanwhile or
-        cannot be read."""
+        cannot be read. A cached manifest read from the object `info` lists gives it."""
         with self._lock:
-            cached = self._manifests.get(name)
-        if cached is not None:
-            return cached.created
+            entry = self._manifests.get(name)
+        if entry is not None and entry[1] == _identity(info):
+            return entry[0].created
+        size = info.size
         try:
             head = self.store.get_range(manifest_key(name), 0, min(size, _HEADER_BYTES))
         except ObjectNotFoundError:

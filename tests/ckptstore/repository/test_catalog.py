@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ import torch
 import ckptstore.pipeline.writer as writer_module
 import ckptstore.repository.catalog as catalog_module
 import ckptstore.repository.order_hint as order_hint
-from ckptstore import CheckpointStore, FormatError, MemoryStore
+from ckptstore import CheckpointNotFoundError, CheckpointStore, FormatError, MemoryStore
 from ckptstore.format.canonical import canonical_json, seal
 from ckptstore.layout import ORDER_HINT_KEY
 from tests.helpers import InFlight
@@ -51,7 +54,7 @@ def test_the_manifest_cache_is_bounded(tmp_path, monkeypatch):
     for i in range(4):
         repo.load(f"s{i}")
     cached = repo.catalog._manifests
-    assert sum(len(m.tensors) for m in cached.values()) <= 10
+    assert sum(len(m.tensors) for m, _identity in cached.values()) <= 10
     assert list(cached)[-1] == "s3"  # the most recently used stays
 
 
@@ -208,3 +211,48 @@ def test_a_pass_stopped_early_leaves_no_read_running():
     scan.close()
     assert threading.active_count() == before and store.flight.now == 0
     assert len(store.flight.keys) <= 1 + catalog_module.MANIFEST_READ_AHEAD
+
+
+def _age_every_blob(root: Path, seconds: float) -> None:
+    old = time.time() - seconds
+    for path in (root / "blobs").rglob("*"):
+        if path.is_file():
+            os.utime(path, (old, old))
+
+
+def test_a_name_saved_again_elsewhere_is_read_again_not_taken_from_the_cache(tmp_path):
+    # two store objects on one folder stand for two processes; `mine` cached what it saved
+    mine, other = CheckpointStore(tmp_path / "r"), CheckpointStore(tmp_path / "r")
+    mine.save("x", {"w": torch.zeros(1000)})
+    mine.save("y", {"w": torch.full((1000,), 2.0)})
+    other.delete("x")
+    other.save("x", {"w": torch.ones(1000)})  # now the newest
+    _age_every_blob(tmp_path / "r", 7200)
+    # gc took the cached "x" for the stored one and deleted the new "x"'s blob
+    assert mine.gc(grace_seconds=3600).deleted_blobs == 1  # the old "x"'s only
+    assert CheckpointStore(tmp_path / "r").verify().ok
+    assert torch.equal(mine.load("x")["w"], torch.ones(1000))
+    assert mine.latest() == "x" and mine.history() == ["y", "x"]
+
+
+def test_a_parent_deleted_and_collected_elsewhere_is_not_reused(tmp_path):
+    mine, other = CheckpointStore(tmp_path / "r"), CheckpointStore(tmp_path / "r")
+    w = torch.randn(100_000)
+    mine.save("p", {"w": w})
+    other.delete("p")
+    _age_every_blob(tmp_path / "r", 7200)
+    assert other.gc(grace_seconds=3600).deleted_blobs == 1
+    with pytest.raises(CheckpointNotFoundError, match="'p'"):
+        mine.save("c", {"w": w}, parent="p")
+    other.save("p", {"w": w})  # saved again: its chunks written again, and reused
+    assert mine.save("c", {"w": w}, parent="p").written_bytes == 0
+    assert torch.equal(CheckpointStore(tmp_path / "r").load("c")["w"], w)
+
+
+def test_a_cached_manifest_deleted_elsewhere_is_not_found(tmp_path):
+    mine, other = CheckpointStore(tmp_path / "r"), CheckpointStore(tmp_path / "r")
+    mine.save("x", {"w": torch.zeros(4)})
+    other.delete("x")
+    with pytest.raises(CheckpointNotFoundError):
+        mine.load("x")
+    assert mine.latest() is None
