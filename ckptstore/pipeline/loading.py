@@ -270,16 +270,15 @@ def execute_load(plan: LoadPlan, reader: CheckpointReader) -> Any:
                 found = plan.parts.get(key)
                 dest, runs, _gshape = found if found is not None else local_part(original, key)
             try:
-                if entry.kind == "torch" or (dest is not None and not isinstance(dest, np.ndarray)):
+                if isinstance(dest, np.ndarray):  # (any kind but bytes: _check_into)
+                    value, buf, fin = _numpy_into(dest, entry)
+                elif entry.kind == "torch" or dest is not None:
                     if torch_mat is None:
                         torch_mat = _torch_interop().TorchMaterializer(plan.device)
                     value, buf, fin = (torch_mat.into(dest, entry) if dest is not None
                                        else torch_mat.new(entry))
-                elif entry.kind == "bytes":
-                    value, buf, fin = _numpy_new(entry)
                 else:
-                    value, buf, fin = (_numpy_into(dest, entry) if dest is not None
-                                       else _numpy_new(entry))
+                    value, buf, fin = _numpy_new(entry)
             except (MemoryError, RuntimeError, ValueError, OverflowError) as exc:
                 raise FormatError(f"tensor {key!r}: cannot allocate {entry.dtype.name} of shape "
                                   f"{list(entry.shape)}: {type(exc).__name__}: {exc}") from None
@@ -546,8 +545,11 @@ def _check_into(manifest: Manifest, selected: list[int], key_of: dict[int, str],
             continue
         entry = manifest.tensors[i]
         dest, runs, gshape = parts[key] = local_part(original, key)
-        if gshape != entry.shape:
-            why: str | None = f"destination shape {gshape} != stored {entry.shape}"
+        if entry.kind == "bytes":
+            why: str | None = ("the checkpoint holds bytes here, which are returned new, never "
+                               "loaded in place: leave this key out of `into`")
+        elif gshape != entry.shape:
+            why = f"destination shape {gshape} != stored {entry.shape}"
         elif runs is None and tuple(dest.shape) != entry.shape:
             why = f"destination holds shape {tuple(dest.shape)}, the tensor is {entry.shape}"
         elif runs is not None and not _runs_fit(runs, tuple(dest.shape), gshape):

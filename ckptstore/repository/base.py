@@ -14,6 +14,7 @@ entry).
 from __future__ import annotations
 
 import builtins
+import copy
 import enum
 import logging
 import os
@@ -155,8 +156,9 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ manifests
     def manifest(self, name: str) -> Manifest:
-        """The parsed, validated manifest of a checkpoint (cached: manifests are immutable);
-        `name` may be "latest"."""
+        """The parsed, validated manifest of a checkpoint (cached: manifests are immutable;
+        it is shared, so its `metadata` must not be changed: `list()` gives copies); `name`
+        may be "latest"."""
         if name == LATEST:
             latest = self.latest()
             if latest is None:
@@ -184,8 +186,8 @@ class CheckpointStore:
         """Every committed checkpoint, in commit order (oldest first: by creation time, then
         name). Manifests that cannot be read are skipped and logged (see `problems`). One
         parsed manifest is held at a time: those read are not cached."""
-        return [CheckpointInfo(m.name, m.created, m.metadata, m.logical_bytes, len(m.tensors),
-                               m.parent)
+        return [CheckpointInfo(m.name, m.created, copy.deepcopy(m.metadata), m.logical_bytes,
+                               len(m.tensors), m.parent)  # (the caller's own metadata)
                 for m in self._readable([name for _created, name in self._order()])]
 
     def _readable(self, names: builtins.list[str]) -> Iterator[Manifest]:

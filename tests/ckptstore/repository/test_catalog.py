@@ -256,3 +256,13 @@ def test_a_cached_manifest_deleted_elsewhere_is_not_found(tmp_path):
     with pytest.raises(CheckpointNotFoundError):
         mine.load("x")
     assert mine.latest() is None
+
+
+def test_metadata_from_list_is_the_callers_own(tmp_path):
+    repo = CheckpointStore(tmp_path / "r")
+    repo.save("x", {"a": torch.ones(2)}, metadata={"step": 1, "tags": ["a"]})
+    info = repo.list()[0]
+    info.metadata["step"] = 99  # a caller post-processing what it was given
+    info.metadata["tags"].append("b")
+    assert repo.manifest("x").metadata == {"step": 1, "tags": ["a"]}
+    assert repo.list()[0].metadata == {"step": 1, "tags": ["a"]}
