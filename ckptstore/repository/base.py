@@ -28,6 +28,7 @@ from ..errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError
 from ..format.codecs import Codec
 from ..format.manifest import Manifest
 from ..format.manifest_parse import parse_manifest
+from ..format.tree import flatten_arrays
 from ..layout import manifest_key, segments_in
 from ..maintenance.checks import GcReport, VerifyReport
 from ..pipeline.commit import LOCAL, Committer
@@ -272,6 +273,9 @@ class CheckpointStore:
 
             reader = CheckpointReader(stores[0], self.load_options, fallbacks=stores[1:],
                                       on_fallback=on_fallback if len(stores) > 1 else None)
+            in_flight = self.tiers[0]._save_in_flight()
+            if into is not None and in_flight is not None:  # it may still read them
+                in_flight.wait_copied(flatten_arrays(into).values())
             try:
                 return load_state(reader, manifest, into=into, keys=keys, strict=strict,
                                   device=device)
@@ -384,6 +388,10 @@ class CheckpointStore:
     def wait(self) -> None:
         """Wait for any save in flight; raise its error if it failed unobserved."""
         raise NotImplementedError
+
+    def _save_in_flight(self) -> SaveHandle | None:
+        """The save started by `save_async` that may still be running, if any."""
+        return None
 
     # ------------------------------------------------------------------ maintenance
     def delete(self, name: str, *, tier: int | None = None) -> None:

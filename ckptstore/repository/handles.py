@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import concurrent.futures as cf
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,21 @@ class SaveHandle:
         if self._overlap is None or self._overlap.finished:
             return
         self._guards.append(Guard(self._overlap, optimizer))
+
+    def wait_copied(self, tensors: Iterable[Any]) -> None:
+        """Block until this save has copied every tensor sharing storage with one of
+        `tensors`, which the caller is about to write in place (a load into them): an
+        overlapped save reads them after its call, and a write that bumps no version
+        counter (a load writes through raw memory) would not be seen. Nothing to wait for
+        in a save staged at call time or one already finished."""
+        overlap = self._overlap
+        if overlap is None or overlap.finished:
+            return
+        pending = [e for e in overlap.events_for(tensors) if not e.is_set()]
+        with self._turns.lent_to_waiter() if pending and self._turns is not None \
+                else nullcontext():
+            for e in pending:
+                e.wait()
 
     def remove_guards(self) -> None:
         """Remove the step pre-hooks of `guard` (call from the thread that runs `step()`)."""

@@ -432,6 +432,9 @@ class SingleStore(CheckpointStore, kind="single"):
         if missing:
             raise ReusedBlobsMissingError(missing)
 
+    def _save_in_flight(self) -> SaveHandle | None:
+        return self._pending
+
     def _wait_pending(self) -> None:
         """Wait for the save in flight; re-raise its error if nobody has seen it yet."""
         in_flight, self._pending = self._pending, None

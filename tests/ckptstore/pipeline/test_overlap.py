@@ -55,6 +55,20 @@ def test_overlap_round_trip_returns_before_copying(tmp_path):
     repo.close()
 
 
+def test_a_load_into_the_tensors_of_an_overlapped_save_waits_until_they_are_copied(tmp_path):
+    # a load writes its destinations through raw memory (no version counter moves): the
+    # overlapped save in flight committed a mix of the call's values and the loaded ones
+    repo = CheckpointStore(tmp_path / "r", chunk_bytes=256 * 1024)
+    repo.save("old", {"w": torch.zeros(16 << 20)})
+    w = torch.ones(16 << 20)  # 64 MiB: 256 chunks through a 1 MiB staging pool
+    handle = repo.save_async("new", {"w": w}, staging="overlap", max_host_bytes=MiB)
+    repo.load("old", into={"w": w})  # a rollback while the save runs
+    handle.wait()
+    assert not w.any()  # the load's values
+    assert bool((repo.load("new")["w"] == 1).all())  # the call's values, whole
+    repo.close()
+
+
 def test_store_and_manager_defaults():
     repo = CheckpointStore(f"memory://{os.getpid()}-defaults", staging="overlap",
                            max_host_bytes=8 * MiB)
