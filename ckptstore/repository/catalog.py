@@ -149,9 +149,10 @@ class Catalog:
 
     def stored(self, name: str) -> Manifest:
         """The manifest of `name` as the store holds it now: read and parsed, neither taken
-        from nor put in the cache, its index blobs read from the store when used (what a
-        verify checks, not what this process remembers having written)."""
-        return self._read(name)[0]
+        from nor put in the cache, its index blobs read from this store alone when used (what
+        a verify checks: not what this process remembers having written, nor a later tier's
+        copy)."""
+        return self._parse(name, self._fetch(name), segments_in([self.store], self.hash))
 
     def _read(self, name: str) -> tuple[Manifest, _Identity]:
         """Read, parse and validate the manifest of `name` from the store (not cached), and
@@ -187,9 +188,12 @@ class Catalog:
         wrote itself) first."""
         return segments_in([self.store, *self.segment_fallbacks], self.hash, written)
 
-    def _parse(self, name: str, raw: bytes) -> Manifest:
+    def _parse(self, name: str, raw: bytes, source: SegmentSource | None = None) -> Manifest:
+        """The manifest of `name` parsed from `raw`, its index blobs read from `source`
+        (default: `segment_source()`)."""
         try:
-            return parse_manifest(raw, name, self.hash, self.segment_source())
+            return parse_manifest(raw, name, self.hash,
+                                  source if source is not None else self.segment_source())
         except FormatError as exc:
             raise FormatError(f"checkpoint {name!r} in {self.store.uri}: {exc}") from None
 

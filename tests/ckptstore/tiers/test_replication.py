@@ -288,3 +288,22 @@ def test_replication_resends_blobs_a_concurrent_sweep_deleted(tmp_path: Path) ->
     far = ckptstore.CheckpointStore(str(far_root), create=False)
     assert far.verify("b").ok
     same(far.load("b"), state(2))
+
+
+def test_verify_of_tier_0_reads_its_index_blobs_from_tier_0_alone(tmp_path: Path) -> None:
+    # tier 0's catalog reads an index blob it lacks from the later tiers (a load goes on);
+    # its verify did too, and called tier 0's copy good with a segment missing there
+    near, far = tmp_path / "near", tmp_path / "far"
+    state = {f"t{i}": np.full(4, float(i), np.float32) for i in range(3000)}  # segmented
+    with ckptstore.CheckpointStore([str(near), str(far)]) as repo:
+        repo.save("s", state)
+        repo.wait_replicated()
+        segment = repo.manifest("s").segment_refs()[0].digest
+    (near / blob_key(segment)).unlink()
+    with ckptstore.CheckpointStore([str(near), str(far)]) as repo:
+        report = repo.verify("s", tier=0)
+        assert [(p.blob, p.problem) for p in report.problems] == [(segment, "missing")]
+        assert repo.verify("s", tier=1).ok
+        with pytest.warns(RuntimeWarning, match=segment):  # a load still has the far copy
+            loaded = repo.load("s")
+        assert all(loaded[k].tobytes() == v.tobytes() for k, v in state.items())
