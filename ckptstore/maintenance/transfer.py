@@ -20,7 +20,9 @@ instant leaves `dst` listing only whole checkpoints):
    meanwhile (its sweep marker changed), the blobs assumed present are asked again and any
    gone are sent too, as a save confirms what it reuses.
 6. `dst.sync()` (every blob durable), then each manifest is created create-only with the
-   source's exact bytes: `dst` never lists a checkpoint whose chunks it lacks.
+   source's exact bytes: `dst` never lists a checkpoint whose chunks it lacks. Right before
+   that, a source must still hold those bytes: a checkpoint deleted from every tier while
+   its copy was under way goes into `gone` instead of coming back on `dst`.
 """
 
 from __future__ import annotations
@@ -171,6 +173,9 @@ def transfer(names: Iterable[str], sources: Sequence[Store], dst: Store,
         dst.sync()  # every blob durable before any manifest exists
         for name in todo:
             lease.check()
+            if not _still_held(sources, name, found[name][0]):
+                result.gone.append(name)  # deleted meanwhile: it must not come back here
+                continue
             try:
                 dst.create(manifest_key(name), found[name][0])
             except ObjectExistsError:
@@ -180,6 +185,20 @@ def transfer(names: Iterable[str], sources: Sequence[Store], dst: Store,
             result.copied.append(name)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _still_held(sources: Sequence[Store], name: str, raw: bytes) -> bool:
+    """Whether a source still holds the manifest `raw` of `name` (checked right before the
+    destination's copy is created: a checkpoint deleted from every tier while its copy was
+    under way is not committed again; a delete that lands between this check and the
+    create can still be undone by it)."""
+    for store in sources:
+        try:
+            if store.get(manifest_key(name)) == raw:
+                return True
+        except ObjectNotFoundError:
+            continue
+    return False
 
 
 def _committed_blobs(dst: Store, manifests: list[Manifest], algorithm: HashAlgorithm

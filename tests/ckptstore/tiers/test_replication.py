@@ -21,6 +21,7 @@ import pytest
 import ckptstore
 from ckptstore.errors import CheckpointNotFoundError, IntegrityError, InvalidNameError
 from ckptstore.layout import blob_key
+from ckptstore.stores.local import LocalStore
 from ckptstore.tiers import pending
 from ckptstore.tiers.replication import ReplicationError, RetryPolicy
 from tests.helpers import reap
@@ -307,3 +308,30 @@ def test_verify_of_tier_0_reads_its_index_blobs_from_tier_0_alone(tmp_path: Path
         with pytest.warns(RuntimeWarning, match=segment):  # a load still has the far copy
             loaded = repo.load("s")
         assert all(loaded[k].tobytes() == v.tobytes() for k, v in state.items())
+
+
+class _DeletedDuringItsCopy(LocalStore):
+    """A far tier where, once the copy of "s1" has put its first blob, another process
+    deletes "s1" from tier 0 (`near`), as `ckpt rm` or a CheckpointManager elsewhere does."""
+
+    near: Path | None = None
+
+    def put(self, key: str, data: Any) -> None:
+        super().put(key, data)
+        if self.near is not None and key.startswith("blobs/"):
+            near, self.near = self.near, None
+            ckptstore.CheckpointStore(str(near)).delete("s1")
+
+
+def test_a_checkpoint_deleted_while_it_replicates_does_not_come_back_on_the_far_tier(
+        tmp_path: Path) -> None:
+    near, far = tmp_path / "near", _DeletedDuringItsCopy(tmp_path / "far")
+    with ckptstore.CheckpointStore([str(near), far]) as repo:
+        repo.save("s0", state(0, 1000))
+        repo.wait_replicated()
+        far.near = near
+        repo.save("s1", state(1, 1000))
+        repo.wait_replicated()
+    assert ckptstore.CheckpointStore(str(tmp_path / "far")).names() == ["s0"]
+    with ckptstore.CheckpointStore([str(near), str(tmp_path / "far")]) as repo:
+        assert repo.latest() == "s0" and repo.names() == ["s0"]
