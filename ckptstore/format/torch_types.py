@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ..deps import missing
-from ..errors import UnsupportedTypeError
+from ..errors import FormatError, UnsupportedTypeError
 
 try:
     import torch
@@ -566,6 +566,25 @@ def _numpy_of(dt: torch.dtype) -> np.dtype:
 
 
 
+def _fill_view(t: torch.Tensor, values: torch.Tensor, key: str) -> None:
+    """Write `values` into the strided view `t` of a shared storage. A dimension of stride 0
+    (an expanded view: `ids.expand(2, 16)` beside `ids`) holds one memory location for all
+    its indexes: it is written once, from index 0, and every index must have read back the
+    same values (they were read from that one location when saved)."""
+    dst, src = t, values
+    for d, (n, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and n > 1:
+            dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
+    try:
+        dst.copy_(src)
+    except RuntimeError as exc:  # another kind of self-overlap
+        raise FormatError(f"tensor {key!r}: its view of a shared storage cannot be "
+                          f"rebuilt ({exc})") from None
+    if dst is not t and not torch.equal(t, values):
+        raise FormatError(f"tensor {key!r}: the indexes of its expanded dimensions "
+                          "hold different values, though they share one memory location")
+
+
 class TorchMaterializer:
     """Creates torch tensors for one load, rebuilding shared storages (tied weights); with
     `device` (a device seam: resolve_device), on that device."""
@@ -598,7 +617,7 @@ class TorchMaterializer:
             assert view is not None
 
             def finish(t: torch.Tensor = t, tmp: torch.Tensor = tmp) -> None:
-                t.copy_(tmp)
+                _fill_view(t, tmp, entry.key)
         return self.wrap(t, entry), view, finish
 
     def _new_on_device(self, entry: TensorEntry, dt: torch.dtype) -> tuple[Any, Any, Any]:

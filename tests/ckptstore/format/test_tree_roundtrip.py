@@ -114,6 +114,19 @@ def test_tied_and_shared_storage_come_back_tied(repo):
     assert torch.equal(out["emb"], emb.weight.detach())
 
 
+def test_an_expanded_view_beside_its_source_comes_back(repo):
+    # a stride-0 view (position ids made with expand) saved fine and then failed every load
+    # with torch's "more than one element ... refers to a single memory location"
+    ids, column = torch.arange(16), torch.randn(5)
+    state = {"ids": ids, "position_ids": ids.expand(2, 16),
+             "column": column, "wide": column[:, None].expand(5, 3)}
+    repo.save("expanded", state)
+    out = repo.load("expanded")
+    assert_same(out, state)
+    assert out["position_ids"].stride() == (0, 1)
+    assert out["position_ids"].data_ptr() == out["ids"].data_ptr()  # still one storage
+
+
 def test_parameters_and_requires_grad(repo):
     p = torch.nn.Parameter(torch.randn(3, 3))
     frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
