@@ -129,11 +129,12 @@ class ReplicationError(CkptStoreError):
 
 
 class ReusedBlobsMissingError(StoreError):
-    """Blobs a save meant to reuse from earlier checkpoints were deleted meanwhile (a gc ran
-    beside the save); the manifest was not committed."""
+    """Blobs a save meant to reuse from earlier checkpoints, or had written itself before it
+    was suspended past its lease's bound, were deleted meanwhile (a gc ran beside the save);
+    the manifest was not committed."""
 
     def __init__(self, missing: list[str]) -> None:
-        super().__init__(f"{len(missing)} blob(s) this save reuses were deleted before its "
+        super().__init__(f"{len(missing)} blob(s) this save names were deleted before its "
                          f"commit (first: {missing[0]}); nothing was committed")
         self.missing = missing
 

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
@@ -411,7 +411,9 @@ class SingleStore(CheckpointStore, kind="single"):
         targets = request.targets
 
         def before_commit(manifest: Manifest, reused: set[str]) -> None:
-            self._confirm_reused(lease, reused)
+            # every blob, those this save wrote too: a save stalled past its lease's bound
+            # (a suspended job) may find them taken by a gc that judged the lease stale
+            self._confirm_reused(lease, reused, every=manifest.blob_digests)
             if targets:  # durable before the commit: a crash after it resumes (pending.py)
                 pending.write_record(self.store, manifest.name, targets)
 
@@ -420,12 +422,15 @@ class SingleStore(CheckpointStore, kind="single"):
                                 confirm_reused=lambda reused: self._confirm_reused(lease,
                                                                                    reused))
 
-    def _confirm_reused(self, lease: leases.Lease, reused: set[str]) -> None:
+    def _confirm_reused(self, lease: leases.Lease, reused: set[str],
+                        every: Callable[[], set[str]] | None = None) -> None:
         """Before a commit: if a gc may have run since the save took its lease, check that
-        every blob it reuses from earlier checkpoints still exists (see maintenance/leases.py)."""
-        if not reused or not lease.sweep_may_have_run():
+        every blob it reuses from earlier checkpoints still exists (see maintenance/leases.py),
+        or, given `every` (the blobs the commit names), every one of those;
+        ReusedBlobsMissingError (the save writes everything again) if one is gone."""
+        if (not reused and every is None) or not lease.sweep_may_have_run():
             return
-        keys = sorted(reused)
+        keys = sorted(reused if every is None else every())
         with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
             present = list(pool.map(lambda b: self.store.exists(blob_key(b)), keys))
         missing = [b for b, ok in zip(keys, present) if not ok]

@@ -143,6 +143,33 @@ def test_a_save_whose_reused_blobs_vanish_before_its_commit_writes_them_again(
     assert info.reused_bytes == 0  # the second attempt reused nothing
 
 
+def test_a_save_whose_own_blobs_vanish_before_its_commit_writes_them_again(
+        tmp_path: Path, monkeypatch) -> None:
+    """A save suspended past its lease's bound (SIGSTOP by a scheduler) finds, on resuming,
+    that a gc judged its lease stale and deleted the blobs it had written: it used to commit
+    anyway (only the blobs it reused were checked), leaving a checkpoint that cannot load."""
+    repo = CheckpointStore(tmp_path / "repo")
+    original = CheckpointWriter.write_blobs
+
+    def write_then_gc_while_suspended(self, leaves, plans):
+        refs = original(self, leaves, plans)
+        monkeypatch.undo()  # once: the save's second attempt is not suspended
+        rogue = leases.Lease(repo.store, "gc")
+        rogue.announce_sweep()
+        for ref in refs.values():
+            repo.store.delete(blob_key(ref.blob))
+        rogue.release()
+        return refs
+
+    monkeypatch.setattr(CheckpointWriter, "write_blobs", write_then_gc_while_suspended)
+    state = state_of(2)
+    info = repo.save("first", state)
+    fresh = CheckpointStore(tmp_path / "repo")
+    assert fresh.verify("first").ok
+    assert torch.equal(fresh.load("first")["w"], state["w"])
+    assert info.written_bytes > 0
+
+
 def test_without_a_sweep_no_extra_requests_are_made(tmp_path: Path, monkeypatch) -> None:
     repo = CheckpointStore(tmp_path / "repo")
     repo.save("base", state_of(1))
