@@ -16,7 +16,7 @@ torch's DataLoader *with worker processes* the passes run in copies of the datas
 object in the main process cannot see them end: call `set_epoch(epoch)` before each epoch
 there (persistent workers, which would keep serving a stale copy, are refused).
 
-Why one module of ~570 lines: one class, whose order, progress, state and iteration protocol
+Why one module of ~630 lines: one class, whose order, progress, state and iteration protocol
 share its fields; the parts that stand alone (order arithmetic, block reads, views, state
 checks) live in order/, read/ and state.py.
 """
@@ -91,22 +91,38 @@ def register_with_torch() -> bool:
     return True
 
 
+def describe_field(f: FieldInfo) -> str:
+    """`f`'s item type in words: 'int64 scalar', 'uint8 fixed (2, 3)', 'float32 ragged
+    ndim 2', 'bytes', 'str'."""
+    if f.kind in ("bytes", "str"):
+        return f.kind
+    dtype = np.dtype(f.dtype).name
+    if f.kind == "fixed":
+        return f"{dtype} fixed {tuple(f.shape or ())}"
+    return f"{dtype} ragged ndim {f.ndim}" if f.kind == "ragged" else f"{dtype} {f.kind}"
+
+
 def _torch_worker_info() -> Any:
     """torch's WorkerInfo in a DataLoader worker process, else None."""
     data = sys.modules.get("torch.utils.data")
     return data.get_worker_info() if data is not None else None
 
 
-class _Pass:
-    """One direct pass (iteration of the dataset itself): where it started, how many items it
-    delivers in all (`left`), how many it has delivered (`count`)."""
+class Pass:
+    """One pass run in this process (the dataset iterated directly, or by StreamingLoader):
+    where it started, how many items it delivers in all (`left`), how many it has delivered
+    (`count`), whether it ran to its end (`ended`) and whether it was stopped early
+    (`stopped`: by close() or a newer iter(); such a pass is interrupted, never complete
+    unless it had delivered everything)."""
 
     def __init__(self, progress: Progress, left: int) -> None:
         self.progress, self.left, self.count = progress, left, 0
+        self.ended = False
+        self.stopped: str | None = None
 
     @property
     def complete(self) -> bool:
-        return self.count >= self.left
+        return self.ended or self.count >= self.left
 
 
 def _renamed(obj: object, old: str, old_value: int | None, new: str, value: int,
@@ -180,6 +196,8 @@ class StreamingDataset:
         torch_batch_size = _renamed(self, "batch_size", batch_size, "torch_batch_size",
                                     torch_batch_size, 1)
         seed = check_int(seed, "seed", 0, None, ValueError)
+        io_threads = check_int(io_threads, "io_threads", 0, None, ValueError)
+        prefetch_bytes = check_int(prefetch_bytes, "prefetch_bytes", 0, None, ValueError)
         if shuffle_mode not in SHUFFLE_MODES:
             raise ValueError(f"shuffle_mode must be one of {SHUFFLE_MODES}, got {shuffle_mode!r}")
         if shuffle_mode == "full" and not self.full_shuffle_supported:
@@ -244,7 +262,7 @@ class StreamingDataset:
         self._epoch = 0
         self._resume: Progress | None = None
         self._orders: dict[int, Any] = {}
-        self._direct: _Pass | None = None  # the last direct pass in this process
+        self._last: Pass | None = None  # the last pass run in this process (direct or loader)
         self._worker_pid: int | None = None  # the torch worker process that iterated this copy
         self._random_blocks: dict[int, Any] = {}  # ds[i]: a few decoded blocks, LRU
         self._random_lock = threading.Lock()
@@ -273,6 +291,10 @@ class StreamingDataset:
         """The arrays the selected fields read (the only ones ever fetched)."""
         return set(self.index.array_paths(self.fields))
 
+    def item_fields(self) -> dict[str, str]:
+        """Each field of an item, as `dtype kind [shape]` (sources mixed together must agree)."""
+        return {f.name: describe_field(f) for f in self.fields}
+
     # -- identity and order --------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
@@ -292,14 +314,33 @@ class StreamingDataset:
         by a DataLoader without worker processes): a complete pass moves to the next epoch by
         itself. Required before each epoch under a DataLoader with worker processes."""
         self._epoch = check_int(epoch, "epoch", 0, INT64_MAX, ValueError)
-        self._direct = None  # an explicit epoch wins over "the pass after a complete one"
-        if self._resume is not None and self._resume.epoch != epoch:
+        last, self._last = self._last, None  # an explicit epoch wins over "the pass after a
+        # complete one"; a loaded state's position holds until its epoch is left or read out
+        if self._resume is not None and (
+                self._resume.epoch != epoch or (last is not None and last.complete)):
             self._resume = None
 
     def _next_epoch(self) -> int:
-        """The epoch the next direct pass reads: the next one after a complete pass."""
-        d = self._direct
+        """The epoch the next pass reads: the next one after a complete pass."""
+        d = self._last
         return self._epoch + 1 if d is not None and d.complete else self._epoch
+
+    def pass_start(self) -> Progress:
+        """Move to the epoch the next pass reads (the next one after a complete pass, unless
+        `set_epoch` or `load_state_dict` chose since) and return where that pass starts: a
+        loaded state's position in its epoch (also when an interrupted pass is run again),
+        else the epoch's start."""
+        if self._next_epoch() != self._epoch:
+            self.set_epoch(self._next_epoch())
+        return self.begin(self._epoch)
+
+    def track_pass(self, p: Pass) -> None:
+        """Make `p` the pass that `len()`, `state_dict()` and the next pass follow."""
+        self._last = p
+
+    def is_last_pass(self, p: Pass | None) -> bool:
+        """Whether `p` is still the pass this dataset follows (no set_epoch or state since)."""
+        return p is not None and self._last is p
 
     def epoch_items(self, epoch: int) -> int:
         """Items this rank delivers in a whole pass of `epoch` (what `len()` reports)."""
@@ -403,9 +444,11 @@ class StreamingDataset:
 
     # -- progress and state ----------------------------------------------------------------
     def begin(self, epoch: int) -> Progress:
-        """The starting position of a pass over `epoch` (consumes a loaded state)."""
+        """The starting position of a pass over `epoch`: a loaded state's position in that
+        epoch, else its start. The loaded state is kept (a pass run again restarts there)
+        until `set_epoch` leaves its epoch or a complete pass of it is followed by another."""
         rank, world = self.topology()
-        r, self._resume = self._resume, None
+        r = self._resume
         if r is None or r.epoch != epoch:
             return fresh(epoch, world, self.balance)
         if r.world_size == world and r.balance == self.balance:
@@ -471,23 +514,24 @@ class StreamingDataset:
         """State after the consumer has seen `consumed` items of the current pass (default:
         the number this object yielded itself when iterated directly). A position at the end
         of the epoch (every rank's items consumed) is the start of the next epoch."""
-        d = self._direct
-        if d is not None and not d.complete:
-            n = d.count if consumed is None else consumed
-            return self.make_state(self._settled(d.progress.with_consumed(d.progress.consumed + n)))
-        progress = self.peek_progress()
-        if consumed:
-            progress = progress.with_consumed(progress.consumed + consumed)
-        return self.make_state(self._settled(progress))
+        d = self._last
+        if d is not None:
+            return self.make_state(self.settled(d.progress, d.count if consumed is None
+                                                else consumed))
+        return self.make_state(self.settled(self.peek_progress(), consumed or 0))
 
-    def _settled(self, progress: Progress) -> Progress:
-        """`progress`, or the next epoch's start once every rank's items are consumed (rank 0
-        has the largest share): a resume then reads the next epoch, not an empty pass."""
-        total = self.epoch_order(progress.epoch).total
-        share = rank_plan(total, progress.base, progress.world_size, 0, progress.balance).total
-        if progress.consumed >= share:
-            return fresh(progress.epoch + 1, progress.world_size, progress.balance)
-        return progress
+    def settled(self, start: Progress, count: int, multiple: int = 1) -> Progress:
+        """The position `count` items after `start` (every rank in lockstep), or the next
+        epoch's start once every rank has delivered all the items of its pass: a resume then
+        reads the next epoch, not an empty pass. Rank 0 has the largest share, so its pass
+        decides, whichever rank asks (a pass delivers whole `multiple`s of items: a loader's
+        batch size with drop_last)."""
+        total = self.epoch_order(start.epoch).total
+        share = rank_plan(total, start.base, start.world_size, 0, start.balance).total
+        left = max(0, share - start.consumed)
+        if count >= left - left % multiple:
+            return fresh(start.epoch + 1, start.world_size, start.balance)
+        return start.with_consumed(start.consumed + count)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a state of this dataset (any rank's; ranks run in lockstep). Raises
@@ -510,7 +554,7 @@ class StreamingDataset:
         """Make the next pass start at `progress` (from `check_state`)."""
         self._resume = progress
         self._epoch = progress.epoch
-        self._direct = None
+        self._last = None
 
     # -- IterableDataset protocol ----------------------------------------------------------
     def __len__(self) -> int:
@@ -567,16 +611,14 @@ class StreamingDataset:
                 " torch_batch_size=<the DataLoader's batch_size>, so that its states describe"
                 " the order the workers deliver"
             )
-        if self._next_epoch() != self._epoch:
-            self.set_epoch(self._next_epoch())
-        progress = self.begin(self._epoch)
+        progress = self.pass_start()
         if self.torch_workers > 1:
             order, pieces = self._lane_pieces(progress, wid, nw)
         else:
             order, pieces, _ = self.pieces(progress)
         # counted before each yield: the pass is complete when its last item is handed out
-        this = _Pass(progress, sum(p.stop - p.start for p in pieces))
-        self._direct = this
+        this = Pass(progress, sum(p.stop - p.start for p in pieces))
+        self.track_pass(this)
         windows = dataset_windows(self, order, pieces, self.io_threads, self.prefetch_bytes)
         with closing(windows) as views:
             for piece, view in views:

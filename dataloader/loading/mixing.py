@@ -6,9 +6,12 @@ timing. Because every rank makes the same choices, each source is consumed in lo
 ranks, so each source's own state (see order/epoch.py) stays exact, and the mixture's state is just
 its position plus one state per source. Each source keeps its own epochs: with
 ``stopping='never'`` a source that runs out starts its next epoch; with ``'first_exhausted'``
-the pass ends at the first item whose source has run out.
+the pass ends before the first item whose source has run out, and the next pass begins with
+that item, from that source's next epoch (decided by the stream position and the sources'
+states alone, so a resumed run ends its passes where the uninterrupted run did).
 
-All sources must yield the same fields (names, kinds and shapes); batches get an extra
+All sources must yield the same fields (names, kinds, dtypes and shapes: checked when the
+loader is made, since a batch column holds items of every source); batches get an extra
 ``_source`` column (int64, which source each item came from).
 """
 
@@ -50,17 +53,12 @@ class _Source:
         self.it: Any = None
         self.exhausted = False
 
-    def start(self) -> None:
-        """Open the source's current pass; a pass with nothing left moves to the next epoch."""
+    def start(self) -> int:
+        """Open the source's current pass (a loaded state's position, or where the last pass
+        stopped); return the items it has left (0: the source has run out)."""
         ds = self.ds
         self.progress = ds.begin(ds.epoch)
         order, pieces, left = ds.pieces(self.progress)
-        if left == 0:
-            ds.set_epoch(ds.epoch + 1)
-            self.progress = ds.begin(ds.epoch)
-            order, pieces, left = ds.pieces(self.progress)
-            if left == 0:
-                raise ValueError(f"dataset {ds.uri} has no items for this rank")
         self.taken, self.buffer, self.offset, self.exhausted = 0, [], 0, False
 
         def produce(stop: threading.Event | None) -> Iterator[Batch]:
@@ -68,6 +66,14 @@ class _Source:
                 yield from iter_batches(views, self.chunk, False)
 
         self.it = BackgroundIterator(produce, 2) if self.nw > 0 else produce(None)
+        return left
+
+    def roll(self) -> None:
+        """Start the source's next epoch (ValueError if it has no items for this rank)."""
+        self.close()
+        self.ds.set_epoch(self.ds.epoch + 1)
+        if self.start() == 0:
+            raise ValueError(f"dataset {self.ds.uri} has no items for this rank")
 
     def available(self) -> int:
         return sum(batch_len(b) for b in self.buffer) - self.offset
@@ -135,9 +141,7 @@ class MixedLoader:
             )
         if stopping not in ("first_exhausted", "never"):
             raise ValueError("stopping must be 'first_exhausted' or 'never'")
-        names = [sorted(f.name for f in d.fields) for d in datasets]
-        if any(n != names[0] for n in names) or len({type(d) for d in datasets}) != 1:
-            raise ValueError(f"mixed datasets must have the same fields and mode, got {names}")
+        _check_same_fields(datasets)
         seed = check_int(seed, "seed", 0, None, ValueError)
         if any(getattr(d, "torch_workers", 0) > 1 for d in datasets):
             raise ValueError(
@@ -183,10 +187,13 @@ class MixedLoader:
                 st = s.state()
                 s.close()
                 s.ds.load_state_dict(st)
-            s.start()
+            if s.start() == 0 and self.stopping == "never":
+                s.roll()
+        first = self.position
         try:
             while True:
                 c = self.choices(self.position, self.position + self.batch_size)
+                whole = self._whole(c, self.position == first)
                 cut = len(c)
                 early: dict[int, Batch | None] = {}
                 for k, s in enumerate(self._sources):
@@ -194,12 +201,10 @@ class MixedLoader:
                     if need == 0:
                         continue
                     have = s.fill(need)
-                    if have < need and self.stopping == "never":
+                    if have < need and whole:
                         early[k] = s.take(have)  # finish the old epoch inside this batch
                         while have < need:
-                            s.close()
-                            s.ds.set_epoch(s.ds.epoch + 1)
-                            s.start()
+                            s.roll()
                             got = s.fill(need - have)
                             if got >= need - have:
                                 break
@@ -227,6 +232,21 @@ class MixedLoader:
         finally:
             for s in self._sources:
                 s.close()
+
+    def _whole(self, c: np.ndarray, first: bool) -> bool:
+        """Whether the batch of choices `c` is taken whole, a source that runs out going on
+        with its next epoch inside it: always with 'never'; with 'first_exhausted' only the
+        first batch of a pass with drop_last. Otherwise a pass ends before the first item
+        whose source ran out, and the next pass begins with that item, from the source's
+        next epoch. Decided by the position alone, so a resumed run cuts where the
+        uninterrupted one did, and no pass is empty."""
+        if self.stopping == "never" or (first and self.drop_last):
+            return True
+        if first:
+            head = self._sources[int(c[0])]
+            if head.fill(1) == 0:
+                head.roll()
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         for s in self._sources:
@@ -293,6 +313,29 @@ class MixedLoader:
 
     def stats(self) -> dict[str, Any]:
         return self.metrics.snapshot()
+
+
+def _check_same_fields(datasets: Sequence[StreamingDataset]) -> None:
+    """Mixed datasets must have the same fields, each of the same kind, dtype and shape (a
+    batch column holds items of every source: nothing is cast); ValueError naming the field."""
+    for d in datasets:
+        if not isinstance(d, StreamingDataset):
+            raise TypeError(
+                "MixedLoader takes StreamingDatasets (or TokenDatasets), got"
+                f" {type(d).__name__}: open the data with StreamingDataset(uri) first"
+            )
+    names = [sorted(f.name for f in d.fields) for d in datasets]
+    if any(n != names[0] for n in names) or len({type(d) for d in datasets}) != 1:
+        raise ValueError(f"mixed datasets must have the same fields and mode, got {names}")
+    first = datasets[0].item_fields()
+    for i, d in enumerate(datasets[1:], 1):
+        for name, what in d.item_fields().items():
+            if what != first[name]:
+                raise ValueError(
+                    f"mixed datasets must have the same field types: field {name!r} is"
+                    f" {first[name]} in dataset 0 ({datasets[0].uri}) but {what} in dataset"
+                    f" {i} ({d.uri})"
+                )
 
 
 def _interleave(choice: np.ndarray, parts: dict[int, Batch | None]) -> Batch:

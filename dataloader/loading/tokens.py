@@ -55,8 +55,7 @@ class TokenDataset(StreamingDataset):
         if (
             np.dtype(f.dtype).kind not in "iu"
             or f.kind not in ("ragged", "fixed")
-            or f.ndim not in (1, 2)
-            or (f.kind == "fixed" and f.ndim != 1)
+            or f.ndim != 1
         ):
             raise ValueError(
                 f"field {field!r} ({f.kind}, {f.dtype}, ndim {f.ndim}) is not a 1-D"
@@ -84,6 +83,11 @@ class TokenDataset(StreamingDataset):
             "remainder": self.remainder,
             "pad_id": self.pad_id,
         }
+
+    def item_fields(self) -> dict[str, str]:
+        """The token field as items carry it: `seq_len` tokens of its dtype."""
+        dtype = np.dtype(self.fields[0].dtype).name
+        return {self.token_field: f"{dtype} tokens, seq_len {self.seq_len}"}
 
     def _items_fn(self) -> Any:
         L, pad = self.seq_len, self.remainder == "pad"

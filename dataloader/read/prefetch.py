@@ -207,6 +207,9 @@ class BackgroundIterator(Generic[T]):
                 kind, value = self._q.get(timeout=_POLL)
                 break
             except queue.Empty:
+                if self._stop.is_set():  # closed from another thread while we waited
+                    self._done = True
+                    raise StopIteration from None
                 if not self._thread.is_alive() and self._q.empty():
                     self._done = True
                     raise RuntimeError("dataloader producer thread died without a result") from None

@@ -2,9 +2,10 @@
 
 A view turns window-local item numbers into collated numpy columns:
 
-* PlainView (one item = one sample): scalar/fixed fields -> arrays stacked along dim 0;
-  ragged -> list of arrays; bytes -> list of bytes; str -> list of str. ``_index`` holds the
-  global sample numbers.
+* PlainView (one item = one sample): scalar/fixed fields -> arrays stacked along dim 0
+  (fresh arrays); ragged -> list of read-only arrays (views into decoded blocks that caches
+  keep and serve again: copy one to change it); bytes -> list of bytes; str -> list of str.
+  ``_index`` holds the global sample numbers.
 * TokenView (one item = one packed sequence of `seq_len` tokens cut from the window's documents
   in shuffled order): ``tokens`` (n, L), ``position_ids`` (n, L) restarting at 0 at every
   document start and at every sequence start; `finish_tokens` adds ``cu_seqlens`` (int32,
@@ -92,8 +93,10 @@ class PlainView:
             for b, r in zip(bi, rows, strict=True):
                 data, off, shapes = cols[b]
                 v = data[off[r] : off[r + 1]]
-                if f.kind == "ragged":
-                    items.append(v.reshape(shapes[r]) if shapes is not None else v)
+                if f.kind == "ragged":  # a read-only view: the block is kept and served again
+                    v = v.reshape(shapes[r]) if shapes is not None else v
+                    v.flags.writeable = False
+                    items.append(v)
                 elif f.kind == "bytes":
                     items.append(v.tobytes())
                 else:

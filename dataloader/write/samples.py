@@ -10,6 +10,7 @@ or PROBE_BYTES of data).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -96,24 +97,47 @@ def _check_dtype(i: int, name: str, dt: np.dtype) -> None:
         raise _bad(i, name, f"unsupported dtype {dt} (numeric and bool dtypes only)")
 
 
+def _check_fits(i: int, spec: Spec, value: int | float) -> None:
+    """A Python int or float must fit the field's dtype: ints within an int field's range,
+    and finite numbers must stay finite in a float field (rounding, e.g. 0.1 into float32,
+    is accepted; overflow to inf is refused with ValueError)."""
+    kind = "int" if isinstance(value, int) else "float"
+    if spec.dtype.kind in "iu":
+        info = np.iinfo(spec.dtype)
+        if not info.min <= value <= info.max:
+            raise _bad(i, spec.name, f"int {value} does not fit in {spec.dtype}", ValueError)
+        return
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond every float
+        x = math.inf
+    else:
+        if not math.isfinite(x):
+            return  # inf and nan are kept as written
+        with np.errstate(over="ignore"):
+            x = float(abs(spec.dtype.type(x)))
+    if not math.isfinite(x):
+        raise _bad(i, spec.name, f"{kind} {value!r:.40} does not fit in {spec.dtype} (it would"
+                   " be stored as inf)", ValueError)
+
+
 def _coerce(i: int, spec: Spec, value: Any) -> Any:
-    """Check one value against its field's spec; return what the column buffer keeps."""
+    """Check one value against its field's spec; return what the column buffer keeps.
+    Scalars: bools only into bool fields; numpy scalars by numpy's safe casting (np.float64
+    into a float32 field is refused, as np.int64 into int32 is); Python ints and floats by
+    value (see `_check_fits`)."""
     name, kind = spec.name, spec.kind
     if kind == "scalar":
         if isinstance(value, np.ndarray) and value.ndim == 0:
             value = value[()]
         if isinstance(value, bool | np.bool_):
             ok = spec.dtype.kind == "b"
-        elif isinstance(value, int):
-            ok = spec.dtype.kind in "iuf"
-            if ok and spec.dtype.kind in "iu":
-                info = np.iinfo(spec.dtype)
-                if not info.min <= value <= info.max:
-                    raise _bad(i, name, f"int {value} does not fit in {spec.dtype}", ValueError)
-        elif isinstance(value, float):
-            ok = spec.dtype.kind in "fc"
-        elif isinstance(value, np.generic):
+        elif isinstance(value, np.generic):  # before float: np.float64 is a float
             ok = np.can_cast(value.dtype, spec.dtype, "safe")
+        elif isinstance(value, int | float):
+            ok = spec.dtype.kind in ("iuf" if isinstance(value, int) else "fc")
+            if ok:
+                _check_fits(i, spec, value)
         else:
             ok = False
         if not ok:
