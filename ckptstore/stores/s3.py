@@ -14,7 +14,9 @@ Contracts, on top of the ones in `base`:
 * `put` is a single PutObject below ``multipart_threshold``, else a multipart upload whose
   parts go up in parallel; S3 makes the object visible whole on PutObject or
   CompleteMultipartUpload. A multipart upload that fails for any reason is aborted after
-  the parts in flight have finished, so no parts are left behind.
+  the parts in flight have finished, so no parts are left behind. An upload left behind
+  all the same (its writer killed, or a CreateMultipartUpload retried after its reply was
+  lost: the first upload is never known) is aborted by a gc once a day old (`temp_files`).
 * `create` sends ``If-None-Match: *``. A 412 (or, after a lost reply, NoSuchUpload) means the
   key exists: the object is read back; identical bytes count as success (a retried commit
   whose first reply was lost), other bytes raise ObjectExistsError and are left untouched.
@@ -86,6 +88,11 @@ logger = logging.getLogger(__name__)
 MiB = 1024 * 1024
 MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
 MAX_PARTS = 10_000
+#: an incomplete multipart upload begun longer ago than this is abandoned (its writer died,
+#: or a CreateMultipartUpload retried after a lost reply left the first one behind): gc
+#: aborts it (`temp_files`). A day: far beyond any upload a live writer still runs.
+ABANDONED_UPLOAD_AGE = 24 * 3600.0
+_UPLOAD_MARK = "#upload="  # `temp_files` names: key + mark + upload id ('#' is in no key)
 READ_STEP = 1 * MiB
 
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -922,6 +929,33 @@ class S3Store(Store):
                     yield ObjectInfo(key, int(item["Size"]), item["LastModified"].timestamp())
         except _SDK_ERRORS as exc:
             raise self._error(exc, "list", prefix or None) from exc
+
+    def temp_files(self) -> Iterator[ObjectInfo]:
+        """Incomplete multipart uploads under this store's prefix begun more than
+        ABANDONED_UPLOAD_AGE ago (this host's clock), for gc: named `<key>#upload=<id>`, size
+        0 (a listing of uploads gives none), mtime when begun. Their parts are billed storage
+        nothing would ever remove; a failed put aborts its own, these are the rest. (gc runs
+        under its lease, while no save of this repository writes; the age guards against
+        other writers. moto reports every upload as begun in 2010.)"""
+        base = f"{self.prefix}/" if self.prefix else ""
+        oldest = time.time() - ABANDONED_UPLOAD_AGE
+        paginator = self._client.get_paginator("list_multipart_uploads")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=base):
+                for upload in page.get("Uploads", ()):
+                    key = upload["Key"][len(base):]
+                    begun = upload["Initiated"].timestamp()
+                    if is_valid_key(key) and begun < oldest:
+                        yield ObjectInfo(f"{key}{_UPLOAD_MARK}{upload['UploadId']}", 0, begun)
+        except _SDK_ERRORS as exc:
+            raise self._error(exc, "list multipart uploads", None) from exc
+
+    def delete_temp(self, name: str) -> None:
+        """Abort the upload `name` from `temp_files`."""
+        key, mark, upload_id = name.partition(_UPLOAD_MARK)
+        if not mark or not upload_id or not is_valid_key(key):
+            raise StoreError(f"not an upload of this store: {name!r}")
+        self._abort(self._key(key), upload_id)
 
     def sync(self) -> None:
         """Nothing to do: S3 acknowledges a write once it is durable."""

@@ -26,6 +26,7 @@ from botocore.exceptions import ClientError, ConnectionClosedError
 
 from ckptstore.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
 from ckptstore.format.hashing import digest
+from ckptstore.maintenance import checks
 from ckptstore.stores import open_store
 from ckptstore.stores import s3 as s3_module
 from ckptstore.stores.s3 import MiB, S3Store
@@ -580,6 +581,33 @@ def test_create_lost_reply_then_retry_is_success(faulty_store: S3Store, faults: 
     puts = faults.requests("PUT", "/repo/m/step-1.json")
     assert len(puts) == 2  # the first landed, its reply was lost; the retry answered 412
     assert faulty_store.get("m/step-1.json") == b'{"step": 1}'
+
+
+def test_an_upload_a_retried_create_left_behind_is_aborted_by_gc_once_abandoned(
+        faults: FaultPlan, raw: Any, s3_uri: str, fault_server: tuple[str, FaultPlan],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CreateMultipartUpload lands, its reply is lost, botocore retries it: the put goes on
+    with the second upload and the first, never known to the store, stays (billed parts
+    nothing removes). gc aborts incomplete uploads once ABANDONED_UPLOAD_AGE old."""
+    store = S3Store.from_uri(s3_uri, endpoint_url=fault_server[0], multipart_threshold=5 * MiB,
+                             multipart_chunksize=5 * MiB)
+    data = _data(7 * MiB)
+    faults.add("lost-reply", "POST", "/repo/blobs/ab/big", query="uploads")
+    store.put("blobs/ab/big", data)
+    assert store.get("blobs/ab/big") == data
+    (orphan,) = _pending_uploads(raw, _bucket(s3_uri))
+    monkeypatch.setattr(s3_module, "ABANDONED_UPLOAD_AGE", 1e12)  # (moto dates each 2010)
+    assert list(store.temp_files()) == []  # young: a live writer's upload may look the same
+    monkeypatch.setattr(s3_module, "ABANDONED_UPLOAD_AGE", 0.0)
+    (listed,) = store.temp_files()
+    assert listed.key == f"blobs/ab/big#upload={orphan['UploadId']}"
+    report = checks.gc(store, lambda: {"big"}, grace_seconds=0, now=time.time() + 7200)
+    assert report.deleted_temp_files == 1 and report.deleted_blobs == 0
+    assert _pending_uploads(raw, _bucket(s3_uri)) == []
+    assert store.get("blobs/ab/big") == data
+    with pytest.raises(StoreError, match="not an upload"):
+        store.delete_temp("blobs/ab/big")
+    store.close()
 
 
 @pytest.mark.parametrize("method", ["put", "create"])
