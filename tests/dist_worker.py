@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -452,3 +453,33 @@ def tp_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
         raise
     finally:
         leave_process_group()
+
+
+def ema_overlap_worker(rank: int, world: int, init_file: str, root: str, out_dir: str) -> None:
+    """An FSDP2 EMA model saved by an overlapped async save, then updated at once, unguarded,
+    with torch._foreach_lerp_ (as EMA helpers do): that op moves no DTensor's version
+    counter, so the manager must have copied those parameters at the call. The checkpoint
+    must hold the call's values."""
+    with reporting(os.path.join(out_dir, f"ema-{rank}")):
+        _init(rank, world, init_file)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        import ckptstore
+
+        model = torch.nn.Linear(2048, 8192, bias=False)  # 64 MiB: 32 MiB a rank
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        mgr = ckptstore.CheckpointManager(root, async_save=True, staging="overlap",
+                                          max_host_bytes=1 << 20, chunk_bytes=256 << 10)
+        mgr.save(1, {"ema_model": model})
+        time.sleep(0.02)  # the save's copies under way
+        params = list(model.parameters())
+        with torch.no_grad():
+            torch._foreach_lerp_(params, [torch.full_like(p, 7.0) for p in params], 1.0)
+        mgr.wait()
+        mgr.close()
+        if rank == 0:
+            stored = ckptstore.CheckpointStore(root).load("step-1")["ema_model"]["weight"]
+            assert bool((stored == 1.0).all()), stored.unique()

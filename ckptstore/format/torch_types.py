@@ -152,6 +152,12 @@ def _dtensor_leaf(local: tuple[torch.Tensor, Runs | None, tuple[int, ...]],
     return leaf
 
 
+def is_dtensor(t: Any) -> bool:
+    """Whether `t` is a torch DTensor (an FSDP2 parameter is one)."""
+    cls = type(t)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
 def dtensor_local(t: Any, key: str) -> tuple[torch.Tensor, Runs | None, tuple[int, ...]] | None:
     """For a DTensor: (local tensor, where it lies in the global tensor as per-dim runs
     (format/regions.py) or None when it holds the whole tensor, global shape). None for any
@@ -162,8 +168,7 @@ def dtensor_local(t: Any, key: str) -> tuple[torch.Tensor, Runs | None, tuple[in
     indexes of the local part are what torch itself computes, mesh dim after mesh dim
     (torch.distributed.tensor._utils, as its compute_local_shape_and_global_offset does).
     Partial() raises UnsupportedTypeError saying what to do."""
-    cls = type(t)
-    if cls.__name__ != "DTensor" or not cls.__module__.startswith("torch.distributed"):
+    if not is_dtensor(t):
         return None
     from torch.distributed.tensor import Partial, Replicate
 

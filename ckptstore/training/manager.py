@@ -17,8 +17,10 @@ it in the background within `max_host_bytes` (CheckpointStore.save_async). The m
 guards every optimizer of the state (its `step()` waits until the save has copied the
 parameters and state tensors it changes) and copies at call time what no guard covers: module
 buffers, numpy arrays, tensors under `COPY_AT_CALL_BYTES`, and the tensors of other Stateful
-objects and plain entries. Module parameters no guarded optimizer steps (frozen layers) are
-left to the version check (docs/training.md, "Overlapped async saves").
+objects and plain entries, and DTensor parameters no guarded optimizer steps (in-place
+foreach ops on DTensors move no version counter). Other module parameters no guarded
+optimizer steps (frozen layers) are left to the version check (docs/training.md, "Overlapped
+async saves").
 
 Retention runs inside the save, after its commit: checkpoints the policy drops are deleted and
 exactly the blobs no remaining checkpoint references are removed (a targeted sweep, not an
@@ -59,6 +61,7 @@ from ..errors import (
     TierUnreachableError,
     UnrestorableCheckpointError,
 )
+from ..format.torch_types import is_dtensor
 from ..format.tree import flatten_arrays
 from ..layout import blob_key
 from ..maintenance import leases
@@ -575,14 +578,21 @@ class _RetainingCommitter(LocalCommitter):
 
 def _unguarded_keys(state: Mapping[str, Any], plain: Mapping[str, Any]) -> set[str]:
     """Dotted keys of the tensors an overlapped save copies at call time: what no optimizer
-    guard covers (module buffers, other Stateful objects, plain entries) and every tensor
-    under COPY_AT_CALL_BYTES. Module parameters and optimizer states are not among them."""
+    guard covers (module buffers, other Stateful objects, plain entries), every tensor
+    under COPY_AT_CALL_BYTES, and the DTensor parameters no guarded optimizer steps (an
+    in-place `torch._foreach_*` op on a DTensor moves no version counter: the check that
+    covers other unguarded parameters is blind to it). Other module parameters and optimizer
+    states are not among them."""
+    stepped = {id(p) for v in state.values() if (opt := guard_target(v)) is not None
+               and _is_stateful(v) for group in opt.param_groups for p in group["params"]}
     keys: set[str] = set()
     for k, v in state.items():
         arrays = flatten_arrays(plain[k], (k,))
         if isinstance(v, torch.nn.Module):
             buffers = {f"{k}.{name}" for name, _b in v.named_buffers()}
-            keys |= buffers & set(arrays)
+            blind = {f"{k}.{name}" for name, p in v.named_parameters()
+                     if is_dtensor(p) and id(p) not in stepped}
+            keys |= (buffers | blind) & set(arrays)
         elif not _guarded(v):
             keys |= set(arrays)
         keys |= {key for key, a in arrays.items()

@@ -56,3 +56,11 @@ def test_2x2_mesh_to_2_and_3_ranks_and_back_to_one_process(tmp_path):
     got = np.asarray(group["b"][1:6, 2:5])
     np.testing.assert_array_equal(got, W.dt_truth("b", (7, 5), "float64")[1:6, 2:5].numpy())
     repo.close()
+
+
+def test_an_unguarded_foreach_update_of_fsdp2_parameters_after_an_overlapped_save(tmp_path):
+    # torch._foreach_* ops move no DTensor's version counter: the save committed a mix of
+    # the call's values and the update's without an error
+    spawn_ranks(W.ema_overlap_worker, 2, tmp_path, "ema",
+                lambda init, out: (2, init, str(tmp_path / "repo"), out),
+                lambda rank: f"ema-{rank}")
