@@ -483,3 +483,36 @@ def ema_overlap_worker(rank: int, world: int, init_file: str, root: str, out_dir
         if rank == 0:
             stored = ckptstore.CheckpointStore(root).load("step-1")["ema_model"]["weight"]
             assert bool((stored == 1.0).all()), stored.unique()
+
+
+def unshared_worker(rank: int, world: int, init_file: str, base: str, out_dir: str,
+                    how: str) -> None:
+    """Each rank saves to a folder of its own (a node-local path on every node): the
+    collective save (`how` "manager") or a DCP save ("dcp") must fail on every rank, naming
+    the cause, and commit nothing."""
+    with reporting(os.path.join(out_dir, f"unshared-{rank}")):
+        _init(rank, world, init_file)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        import ckptstore
+        import ckptstore.dcp
+
+        mesh = init_device_mesh("cpu", (world,))
+        state = {"w": distribute_tensor(torch.arange(4096 * 16.0).reshape(4096, 16), mesh,
+                                        [Shard(0)])}
+        mine = os.path.join(base, f"node{rank}")
+        try:
+            if how == "manager":
+                mgr = ckptstore.CheckpointManager(mine, chunk_bytes=64 << 10)
+                try:
+                    mgr.save(1, state)
+                finally:
+                    mgr.close()
+            else:
+                ckptstore.dcp.save(state, mine, "step-1")
+        except ckptstore.CkptStoreError as exc:
+            assert "same" in str(exc) and "not in" in str(exc), exc
+        else:
+            raise AssertionError("a save to storage the ranks do not share succeeded")
+        assert ckptstore.CheckpointStore(mine).names() == []

@@ -206,15 +206,66 @@ def confirm_blobs(store: Store, blobs: set[str]) -> None:
         raise ReusedBlobsMissingError(missing)
 
 
+#: ranks whose first blob the coordinator looks for before its commit (evenly spaced)
+SHARED_PROBES = 64
+
+
+def shared_probes(results: list[list[Any]]) -> dict[str, int]:
+    """{blob: rank}: the first blob each of up to SHARED_PROBES ranks (evenly spaced, rank 0
+    left out) wrote, from their write results: what the coordinator looks for in its store
+    before it commits (`check_shared`)."""
+    world = len(results)
+    step = max(1, -(-(world - 1) // SHARED_PROBES))
+    probes: dict[str, int] = {}
+    for rank in range(1, world, step):
+        for result in results[rank]:
+            blob = _first_blob(result.storage_data)
+            if blob is not None:
+                probes.setdefault(blob, rank)
+                break
+    return probes
+
+
+def _first_blob(doc: Any) -> str | None:
+    """The blob of the first chunk a write result names, or None (no chunk: an empty
+    tensor)."""
+    if not isinstance(doc, dict):
+        return None
+    for _index, ref in doc.get("chunks", ()):  # a tensor's part: [chunk index, ref]
+        return ref_from_wire(ref).blob
+    for entry in ([doc["entry"]] if "entry" in doc else doc.get("entries", ())):
+        for ref in entry.get("chunks", ()):
+            return ref_from_wire(ref).blob
+    return None
+
+
+def check_shared(store: Store, probes: dict[str, int]) -> None:
+    """Raise CkptStoreError unless the blobs of `probes` are all in `store`: ranks that wrote
+    them elsewhere (a node-local folder on every node) did not share it, and the checkpoint
+    committed there would name blobs it lacks."""
+    blobs = sorted(probes)
+    with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
+        present = list(pool.map(lambda b: store.exists(blob_key(b)), blobs))
+    lost = [b for b, ok in zip(blobs, present) if not ok]
+    if lost:
+        raise CkptStoreError(
+            f"a blob rank {probes[lost[0]]} wrote ({lost[0]}) is not in {store.uri}, where the "
+            "coordinator commits: every rank must save to the same location (one folder or "
+            "bucket all ranks reach); nothing was committed")
+
+
 class DcpCommitter:
     """Commits the manifest `build` made, through `CheckpointStore.save(..., committer=)`.
     `lease` is the save lease the coordinator took before any rank read a parent manifest
     (prepare_global_plan): if a gc may have run since, every blob is confirmed first."""
 
-    def __init__(self, tree: Any, entries: tuple[TensorEntry, ...], lease: Lease | None) -> None:
+    def __init__(self, tree: Any, entries: tuple[TensorEntry, ...], lease: Lease | None,
+                 probes: dict[str, int] | None = None) -> None:
         self.tree = tree
         self.entries = entries
         self.lease = lease
+        #: blobs other ranks wrote, looked for before the commit (`check_shared`)
+        self.probes = probes or {}
         self.info: SaveInfo | None = None
 
     def prepare_failed(self, name: str, error: str) -> None:
@@ -229,6 +280,7 @@ class DcpCommitter:
                             metadata=request.metadata, tree=self.tree, tensors=self.entries,
                             parent=request.parent, hash=writer.options.hash.name,
                             version=version_for(self.entries))
+        check_shared(writer.store, self.probes)
         if self.lease is not None:
             self.lease.check()
             if self.lease.sweep_may_have_run():

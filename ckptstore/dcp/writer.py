@@ -308,7 +308,8 @@ class StorageWriter(dcp_storage.StorageWriter):
         metadata.storage_data = md_mod.storage_data(values)
         metadata.storage_meta = self.storage_meta()
         meta = {**self.user_metadata, "dcp": md_mod.to_json(metadata)}
-        committer = commit_mod.DcpCommitter(tree, entries, self._lease)
+        committer = commit_mod.DcpCommitter(tree, entries, self._lease,
+                                            commit_mod.shared_probes(results))
         repo = self._location.repo()
         info = repo.save(self.name, {}, meta, committer=committer)
         stats = sum_stats(results)

@@ -33,6 +33,7 @@ save reuses those chunks without reading the checkpoint back.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
 import threading
 import time
@@ -57,8 +58,9 @@ from ..format.leaf import ArrayLeaf
 from ..format.manifest import SEGMENTED_VERSION, ChunkRef, Manifest
 from ..format.segment_encoding import SegmentRef
 from ..format.segments import SegmentedEntries
-from ..layout import segments_in
+from ..layout import blob_key, segments_in
 from ..pipeline.commit import SaveRequest
+from ..pipeline.options import METADATA_THREADS
 from ..pipeline.planning import LeafPlan
 from ..pipeline.rank_planning import (
     Held,
@@ -71,6 +73,7 @@ from ..pipeline.rank_planning import (
 )
 from ..pipeline.rank_segments import ROW, build_segments, outgoing
 from ..pipeline.writer import CheckpointWriter, KnownChunks
+from ..stores.base import Store
 from .collectives import (
     all_gather_json,
     all_reduce_ints,
@@ -369,6 +372,21 @@ class _RankFailed(Exception):
     """A rank's reported error (its text is already prefixed by the rank)."""
 
 
+def _check_shared(store: Store, built_by: dict[str, int]) -> None:
+    """Rank 0, before its commit: the index segments other ranks built ({digest: rank}) are
+    in its store. They are not where the ranks do not share tier 0 (a node-local folder on
+    every node): committing then would name blobs rank 0's store lacks."""
+    digests = sorted(built_by)
+    with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
+        present = list(pool.map(lambda d: store.exists(blob_key(d)), digests))
+    lost = [d for d, ok in zip(digests, present) if not ok]
+    if lost:
+        raise _RankFailed(
+            f"rank 0: the index segment rank {built_by[lost[0]]} built ({lost[0]}) is not in "
+            f"{store.uri} ({len(lost)} in all): every rank must save to the same tier 0 (one "
+            "folder or bucket all ranks reach)")
+
+
 def commit_root(writer: CheckpointWriter, request: SaveRequest, plan: RankPlan,
                 records: list[Any]) -> Manifest:
     """Rank 0: the root of every rank's segments, committed, if no rank failed."""
@@ -383,6 +401,8 @@ def commit_root(writer: CheckpointWriter, request: SaveRequest, plan: RankPlan,
     if sorted(found) != list(range(len(plan.spans))):
         raise _RankFailed(f"rank 0: {len(plan.spans) - len(found)} index segment(s) were "
                           "built by no rank")
+    _check_shared(writer.store, {str(seg[1]): r for r, rec in enumerate(records) if r
+                                 for seg in rec["segments"]})
     refs = [found[s] for s in range(len(plan.spans))]
     algorithm = hash_algorithm(writer.options.hash.name)
     tensors = SegmentedEntries(refs, segments_in([writer.store], algorithm),

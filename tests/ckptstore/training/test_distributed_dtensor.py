@@ -64,3 +64,13 @@ def test_an_unguarded_foreach_update_of_fsdp2_parameters_after_an_overlapped_sav
     spawn_ranks(W.ema_overlap_worker, 2, tmp_path, "ema",
                 lambda init, out: (2, init, str(tmp_path / "repo"), out),
                 lambda rank: f"ema-{rank}")
+
+
+@pytest.mark.parametrize("how", ["manager", "dcp"])
+def test_a_save_to_storage_the_ranks_do_not_share_fails_on_every_rank(tmp_path, how):
+    # each rank's own folder, as a node-local path: rank 0 committed a checkpoint naming
+    # blobs only the other ranks' folders held, every rank reported success, and latest()
+    # named a checkpoint that could not load
+    spawn_ranks(W.unshared_worker, 2, tmp_path, how,
+                lambda init, out: (2, init, str(tmp_path / "nodes"), out, how),
+                lambda rank: f"unshared-{rank}")
