@@ -525,6 +525,15 @@ class CheckpointManager:
         missing = [k for k in state if k not in loaded]
         if missing:
             raise KeyMismatchError(f"checkpoint step {step} has no entries {missing}")
+        for k, v in state.items():  # a plain entry's tensors must all have been restored
+            if not _is_stateful(v) and not isinstance(v, torch.nn.Module):
+                absent = sorted(set(flatten_arrays(v, (k,)))
+                                - set(flatten_arrays(loaded[k], (k,))))
+                if absent:
+                    raise KeyMismatchError(
+                        f"checkpoint step {step} has no tensors {absent[:10]}"
+                        + (f" and {len(absent) - 10} more" if len(absent) > 10 else "")
+                        + " of the state given to restore (the others were restored)")
         for k, v in state.items():
             if isinstance(v, torch.nn.Module):
                 _finish_module(v, into[k], loaded[k])

@@ -127,6 +127,18 @@ def test_async_errors_surface(tmp_path):
     mgr.close()
 
 
+def test_restore_of_a_plain_state_names_the_tensors_the_checkpoint_lacks(tmp_path):
+    # a plain dict (get_state_dict style) with a tensor added since the save: restore
+    # returned the step and that tensor kept its initial values
+    mgr = CheckpointManager(tmp_path / "run")
+    mgr.save(1, {"model": {"layer.weight": torch.ones(8, 4)}})
+    state = {"model": {"layer.weight": torch.zeros(8, 4), "layer.bias": torch.full((8,), 7.0)}}
+    with pytest.raises(ckptstore.KeyMismatchError, match="'model.layer.bias'"):
+        mgr.restore(state)
+    assert mgr.restore({"model": {"layer.weight": torch.zeros(8, 4)}}) == 1
+    mgr.close()
+
+
 def test_restore_mismatch_is_clear(tmp_path):
     mgr = CheckpointManager(tmp_path / "run")
     model, opt, _ = make()
