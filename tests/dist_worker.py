@@ -9,6 +9,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -516,3 +517,45 @@ def unshared_worker(rank: int, world: int, init_file: str, base: str, out_dir: s
         else:
             raise AssertionError("a save to storage the ranks do not share succeeded")
         assert ckptstore.CheckpointStore(mine).names() == []
+
+
+def _rows(world: int, value: float) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(8 * 4096.0).reshape(8, 4096) * value
+    return {"w": distribute_tensor(full, init_device_mesh("cpu", (world,)), [Shard(0)])}
+
+
+def agreed_restore_worker(rank: int, world: int, init_file: str, root: str, out_dir: str,
+                          phase: str) -> None:
+    """phase "save": steps 1 and 2 of a row-sharded tensor. phase "restore" (after the test
+    damaged a chunk of step 2 that only the last rank reads): every rank takes step 1
+    together, with the warning; then restore(step=...) asking different steps per rank is
+    refused on every rank."""
+    with reporting(os.path.join(out_dir, f"agreed-{phase}-{rank}")):
+        _init(rank, world, init_file)
+        import warnings
+
+        import ckptstore
+
+        mgr = ckptstore.CheckpointManager(root, chunk_bytes=16 << 10)
+        try:
+            if phase == "save":
+                mgr.save(1, _rows(world, 1.0))
+                mgr.save(2, _rows(world, 2.0))
+                return
+            state = _rows(world, 0.0)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert mgr.restore(state) == 1
+            assert any("step 2 is damaged" in str(w.message) for w in caught), caught
+            assert torch.equal(state["w"].full_tensor(), _rows(world, 1.0)["w"].full_tensor())
+            try:
+                mgr.restore(state, step=1 + rank)
+            except ckptstore.CkptStoreError as exc:
+                assert "different steps" in str(exc), exc
+            else:
+                raise AssertionError("ranks restored different steps")
+        finally:
+            mgr.close()

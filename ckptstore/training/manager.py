@@ -43,7 +43,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from ..deps import missing
 
@@ -73,6 +73,7 @@ from ..stores.base import Store
 from ..tiers import config as tier_config
 from ..tiers import pending
 from . import distributed as cdist
+from .collectives import all_gather_json
 from .peers import PeerMap, PeerReplicas, choose_steps, ranks_per_node
 from .rank_save import RankMemory
 from .retention import Retention, TieredRetention
@@ -414,21 +415,58 @@ class CheckpointManager:
         if step is None:
             step = self.latest_step()
         if self.distributed:
-            step = cdist.broadcast_json(step, self.group)
+            step = self._agreed_step(step, chosen)
         while step is not None:
             try:
                 self._load_into(state, step, device=map_location)
-                return step
+                failure: BaseException | None = None
             except (IntegrityError, FormatError) as exc:
-                if not chosen or self.distributed:
+                failure = exc
+            except Exception as exc:
+                if not self.distributed:
                     raise
-                older = self.latest_step(before=step)
-                if older is None:
-                    raise
-                warnings.warn(f"checkpoint step {step} is damaged ({exc}); resuming from step "
-                              f"{older}", RuntimeWarning, stacklevel=2)
-                step = older
+                failure = exc  # the other ranks must hear of it, not wait for this one
+            if self.distributed:
+                failure = self._all_loaded(step, failure)
+            if failure is None:
+                return step
+            if not chosen or not isinstance(failure, (IntegrityError, FormatError)):
+                raise failure
+            older = self.latest_step(before=step)
+            if self.distributed:
+                older = cdist.broadcast_json(older, self.group)
+            if older is None:
+                raise failure
+            warnings.warn(f"checkpoint step {step} is damaged ({failure}); resuming from step "
+                          f"{older}", RuntimeWarning, stacklevel=2)
+            step = older
         return None
+
+    def _agreed_step(self, step: int | None, chosen: bool) -> int | None:
+        """The step every rank restores: rank 0's latest when none was asked for; a step
+        asked for must be the same on every rank (CkptStoreError otherwise)."""
+        if chosen:
+            return cast(int | None, cdist.broadcast_json(step, self.group))
+        asked = all_gather_json(step, self.group)
+        if len(set(asked)) > 1:
+            raise CkptStoreError(f"restore(step=...) asked for different steps on the ranks "
+                                 f"({dict(enumerate(asked))}); nothing was restored")
+        return step
+
+    def _all_loaded(self, step: int, failure: BaseException | None) -> BaseException | None:
+        """After every rank tried to restore `step`: None if every rank did, else the error
+        this rank raises: its own, or, on a rank that succeeded, the first failed rank's, of
+        the same kind where it is damage (every rank then takes the same older step)."""
+        text = None if failure is None else f"{type(failure).__name__}: {failure}"
+        reports = all_gather_json(text, self.group)
+        failed = [(r, t) for r, t in enumerate(reports) if t is not None]
+        if not failed or failure is not None:
+            return failure
+        rank, first = failed[0]
+        damage = first.split(":", 1)[0] in ("IntegrityError", "FormatError")
+        cls = FormatError if damage else CkptStoreError
+        return cls(f"checkpoint step {step}: rank {rank} could not restore it ({first}); "
+                   "this rank's tensors may hold part of it")
 
     def _restore_with_peers(self, state: Mapping[str, Any], step: int | None,
                             fresh_ok: bool, device: Any = None) -> int | None:

@@ -74,3 +74,24 @@ def test_a_save_to_storage_the_ranks_do_not_share_fails_on_every_rank(tmp_path, 
     spawn_ranks(W.unshared_worker, 2, tmp_path, how,
                 lambda init, out: (2, init, str(tmp_path / "nodes"), out, how),
                 lambda rank: f"unshared-{rank}")
+
+
+def test_ranks_restore_the_same_step_when_one_finds_its_part_damaged(tmp_path):
+    # one rank raised IntegrityError while the other returned step 2: a restarted job met
+    # the same damaged checkpoint every time; and restore(step=N) used rank 0's N everywhere
+    root = tmp_path / "repo"
+
+    def args(phase):
+        return lambda init, out: (2, init, str(root), out, phase)
+
+    spawn_ranks(W.agreed_restore_worker, 2, tmp_path, "save", args("save"),
+                lambda rank: f"agreed-save-{rank}")
+    repo = CheckpointStore(root)
+    (entry,) = [t for t in repo.manifest("step-2").tensors if t.key == "w"]
+    last = entry.chunks[-1]  # the last rows: only the last rank reads them
+    path = root / "blobs" / last.blob[:2] / last.blob
+    raw = bytearray(path.read_bytes())
+    raw[last.offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    spawn_ranks(W.agreed_restore_worker, 2, tmp_path, "restore", args("restore"),
+                lambda rank: f"agreed-restore-{rank}")
