@@ -63,6 +63,8 @@ class RNGState:
                     return  # saved on another world size: leave the generators alone
                 v = v[rank]
             local[k] = v
+        if np.ndim(local["python_state"]) != 1:
+            return  # saved by several ranks, restored in one process: left alone too
         meta = local["python_meta"]
         random.setstate((int(meta[0]), tuple(int(x) for x in local["python_state"]),
                          float(meta[2]) if meta[1] else None))

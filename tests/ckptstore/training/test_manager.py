@@ -89,6 +89,18 @@ def test_rng_state_roundtrip(tmp_path):
             random.gauss(0, 1)) == expected
 
 
+def test_rng_state_of_several_ranks_restored_in_one_process_is_left_alone(tmp_path):
+    # rows of (world, ...) arrays, as a 2-rank save stores them: a raw TypeError before
+    repo = CheckpointStore(tmp_path / "r")
+    one = ckptstore.RNGState().state_dict()
+    repo.save("rng", {"rng": {k: np.stack([np.asarray(v), np.asarray(v)]) for k, v in one.items()}})
+    torch.manual_seed(9)
+    expected = torch.rand(()).item()
+    torch.manual_seed(9)
+    ckptstore.RNGState().load_state_dict(repo.load("rng")["rng"])
+    assert torch.rand(()).item() == expected  # the generators keep their state
+
+
 def test_retention_keeps_last_and_every_and_frees_blobs(tmp_path):
     mgr = CheckpointManager(tmp_path / "run", keep_last=2, keep_every=4, chunk_bytes=1 << 16)
     w = torch.zeros(512, 128)
