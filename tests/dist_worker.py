@@ -559,3 +559,27 @@ def agreed_restore_worker(rank: int, world: int, init_file: str, root: str, out_
                 raise AssertionError("ranks restored different steps")
         finally:
             mgr.close()
+
+
+def different_copies_worker(rank: int, world: int, init_file: str, root: str,
+                            out_dir: str) -> None:
+    """Every rank holds `w` whole but with its own values (a tensor not synchronized, or a
+    per-rank value): the collective save must fail on every rank naming it, not commit each
+    chunk from whichever rank owns it. Equal copies (`b`, large: sampled) still save."""
+    with reporting(os.path.join(out_dir, f"copies-{rank}")):
+        _init(rank, world, init_file)
+        import ckptstore
+
+        mgr = ckptstore.CheckpointManager(root, chunk_bytes=4096)
+        try:
+            big = torch.arange(1 << 20, dtype=torch.float32)
+            try:
+                mgr.save(1, {"w": torch.full((4096,), float(rank)), "b": big})
+            except ckptstore.CkptStoreError as exc:
+                assert "different values in 'w'" in str(exc), exc
+            else:
+                raise AssertionError("copies that differ were committed")
+            mgr.save(2, {"w": torch.ones(4096), "b": big})
+            assert mgr.latest_step() == 2
+        finally:
+            mgr.close()

@@ -4,12 +4,15 @@ saves in O(ranks)").
 
 Every rank of `group` calls `save_by_rank_plans` with its own state; the steps, in order:
 
-1. agree: one all_reduce(MAX) of five integers: a rank failed to prepare; a rank holds a leaf
-   this plan cannot describe (a 0-d tensor in part; then every rank runs
+1. agree: one all_reduce(MAX) of seven integers: a rank failed to prepare; a rank holds a
+   leaf this plan cannot describe (a 0-d tensor in part; then every rank runs
    `distributed.save_collective`, the plan over every rank's description);
    a 62-bit digest of the state's structure (keys, kinds, dtypes, global shapes, which
    leaves are sharded and in how many copies) and its negation (the ranks agree iff
-   max == -max(-digest)); and "my placements differ from my cached plan's".
+   max == -max(-digest)); "my placements differ from my cached plan's"; and, the same way,
+   a digest of the values of the tensors every rank holds whole (`whole_values`: each is
+   written by one rank, so copies that differ would be committed as a mix of ranks; they
+   fail the save, naming the first such tensor).
 2. plan: unless no rank's placements changed (the cached plan is used again, as DCP's plan
    caching), the gcd of the interior ends of the ranks' boxes is agreed, per dimension of
    every tensor, by rounds of all_reduce(MIN) over one integer per dimension (`agree_gcds`);
@@ -84,6 +87,11 @@ from .collectives import (
 
 #: `agree_gcds`: a tensor no rank's shard ends inside
 _NONE = 1 << 62
+#: of a tensor every rank holds whole, the bytes the ranks compare before a collective save:
+#: all of them up to this size, else this many from evenly spaced places (a copy differing
+#: elsewhere only is not seen)
+COMPARED_BYTES = 64 << 10
+_SAMPLES = 16
 #: An error text a rank reports is cut to this many characters (rank 0 gathers them all).
 MAX_ERROR_CHARS = 2000
 
@@ -145,7 +153,7 @@ class RankMemory:
 def report_failure(group: Any, error: str) -> None:
     """Take part in a collective save only to report that this rank failed before it could
     start: every rank raises this error (step 1, then the errors are all-gathered)."""
-    all_reduce_ints([1, 0, 0, 0, 0], group)
+    all_reduce_ints([1, 0, 0, 0, 0, 0, 0], group)
     all_gather_json(error[:MAX_ERROR_CHARS], group)
 
 
@@ -158,6 +166,34 @@ def _structure(leaves: list[ArrayLeaf]) -> int:
                  f"{int(leaf.is_partial)}\0{leaf.replica[1]}\n".encode("utf-8",
                                                                      "surrogatepass"))
     return h.intdigest() >> 2
+
+
+def whole_values(leaves: list[ArrayLeaf], boxes: list[Held | None]) -> list[int]:
+    """For each leaf every rank holds whole (no box) in host memory: 62 bits of a digest of
+    its bytes (up to COMPARED_BYTES of them: the leading dimension's evenly spaced slices);
+    0 for the others (sharded, on a device)."""
+    out = []
+    for leaf, held in zip(leaves, boxes):
+        a = leaf.array
+        if held is not None or not isinstance(a, np.ndarray) or leaf.is_partial:
+            out.append(0)
+            continue
+        flat = a.reshape(-1) if a.ndim > 1 and a.flags.c_contiguous else a
+        if flat.ndim and flat.nbytes > COMPARED_BYTES:
+            n = len(flat)
+            width = max(1, n * COMPARED_BYTES // (_SAMPLES * flat.nbytes))
+            starts = np.linspace(0, n - width, _SAMPLES).astype(np.int64)
+            flat = np.concatenate([flat[s:s + width] for s in starts])
+        out.append(xxhash.xxh64_intdigest(np.ascontiguousarray(flat).view(np.uint8).data) >> 2)
+    return out
+
+
+def _first_different(values: list[int], group: Any) -> int | None:
+    """The index of the first entry of `values` (the same length on every rank) that is not
+    the same on every rank, or None."""
+    reduced = all_reduce_ints([*values, *(-v for v in values)], group)
+    n = len(values)
+    return next((i for i in range(n) if reduced[i] != -reduced[n + i]), None)
 
 
 def _signature(structure: int, boxes: list[Held | None], world: int, rank: int,
@@ -278,14 +314,25 @@ def save_by_rank_plans(writer: CheckpointWriter, request: SaveRequest, group: An
     signature = _signature(structure, boxes, world, rank, writer) if describable else 0
     cached = memory.plan if memory.plan is not None and memory.plan.signature == signature \
         else None
-    failed, odd, high, neg_low, changed = all_reduce_ints(
-        [0, int(not describable), structure, -structure, int(cached is None)], group)
+    values = whole_values(leaves, boxes) if describable else []
+    held = xxhash.xxh64_intdigest(canonical_json(values)) >> 2
+    failed, odd, high, neg_low, changed, same_high, same_neg_low = all_reduce_ints(
+        [0, int(not describable), structure, -structure, int(cached is None), held, -held],
+        group)
     if failed:
         errors = [e for e in all_gather_json(None, group) if e is not None]
         raise CkptStoreError(f"collective save of {name!r} failed, nothing committed: "
                              f"{errors[0]}")
     if odd or high != -neg_low:  # the general protocol (which names any disagreement)
         return FALLBACK
+    if same_high != -same_neg_low:
+        i = _first_different(values, group)
+        key = leaves[i].key if i is not None else "?"
+        raise CkptStoreError(
+            f"collective save of {name!r} failed, nothing committed: the ranks hold different "
+            f"values in {key!r}, a tensor every rank holds whole (each chunk is written by one "
+            "rank: they must be the same; keep per-rank values in a Shard of rows, or "
+            "RNGState for generator states)")
 
     # 2. plan (or the cached plan, if no rank's placements changed). From here on every rank
     # takes part in every collective whatever fails on it, and reports its error at step 6

@@ -95,3 +95,11 @@ def test_ranks_restore_the_same_step_when_one_finds_its_part_damaged(tmp_path):
     path.write_bytes(bytes(raw))
     spawn_ranks(W.agreed_restore_worker, 2, tmp_path, "restore", args("restore"),
                 lambda rank: f"agreed-restore-{rank}")
+
+
+def test_copies_of_a_tensor_every_rank_holds_must_be_the_same(tmp_path):
+    # each chunk of a tensor held whole by every rank is written by one rank: copies that
+    # differed were committed as a mix of the ranks' values, chunk by chunk
+    spawn_ranks(W.different_copies_worker, 2, tmp_path, "copies",
+                lambda init, out: (2, init, str(tmp_path / "repo"), out),
+                lambda rank: f"copies-{rank}")
