@@ -30,6 +30,7 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CkptStoreError,
+    CollectiveError,
     DeviceCopyError,
     DurabilityError,
     ExportWarning,
@@ -65,7 +66,8 @@ from .version import __version__
 
 __all__ = [
     "CheckpointExistsError", "CheckpointInfo", "CheckpointManager", "CheckpointNotFoundError",
-    "CheckpointStore", "CkptStoreError", "Codec", "DeviceCopyError", "DurabilityError",
+    "CheckpointStore", "CkptStoreError", "Codec", "CollectiveError", "DeviceCopyError",
+    "DurabilityError",
     "ExportWarning",
     "FormatError", "GcReport",
     "IntegrityError", "InvalidNameError", "KeyMismatchError", "LeaseBusyError", "LocalStore",

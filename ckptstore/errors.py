@@ -139,6 +139,11 @@ class ReusedBlobsMissingError(StoreError):
         self.missing = missing
 
 
+class CollectiveError(CkptStoreError):
+    """An exchange between the ranks of a collective save or restore failed: a rank died,
+    left the group or timed out."""
+
+
 class LeaseBusyError(CkptStoreError):
     """The operation could not start because a conflicting lease is live (try again later)."""
 

@@ -2,12 +2,16 @@
 messages of the collective saves (training/distributed.py, training/rank_save.py).
 
 JSON travels as uint8 tensors (canonical JSON), its length first; every call is a
-collective: each rank of `group` makes the same calls in the same order."""
+collective: each rank of `group` makes the same calls in the same order. A call that fails
+in the transport (a rank died or left: gloo's "Connection reset by peer", a timeout) raises
+CollectiveError naming the exchange, not the backend's bare RuntimeError."""
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 from ..deps import missing
 
@@ -17,7 +21,24 @@ try:
 except ModuleNotFoundError as _exc:
     raise missing(_exc) from None
 
+from ..errors import CollectiveError
 from ..format.canonical import canonical_json
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _exchange(fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn`, its transport failures raised as CollectiveError."""
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            raise CollectiveError(
+                f"an exchange between the ranks ({fn.__name__}) failed: a rank died, left the "
+                f"group or timed out ({type(exc).__name__}: {str(exc)[:300]})") from exc
+    return call
 
 
 def _as_tensor(data: bytes, size: int) -> torch.Tensor:
@@ -27,6 +48,7 @@ def _as_tensor(data: bytes, size: int) -> torch.Tensor:
     return buf
 
 
+@_exchange
 def all_gather_json(obj: Any, group: Any) -> list[Any]:
     """All-gather one JSON value per rank: every rank receives every rank's, padded to the
     longest (bytes received per rank: world x the longest)."""
@@ -41,6 +63,7 @@ def all_gather_json(obj: Any, group: Any) -> list[Any]:
     return [json.loads(bytes(b[: int(s.item())].numpy())) for b, s in zip(bufs, sizes)]
 
 
+@_exchange
 def gather_json(obj: Any, group: Any, dst: int = 0) -> list[Any] | None:
     """Gather one JSON value per rank on rank `dst` (group rank) only: the list there, None
     elsewhere. Rank `dst` receives world x the longest value."""
@@ -59,6 +82,7 @@ def gather_json(obj: Any, group: Any, dst: int = 0) -> list[Any] | None:
     return [json.loads(bytes(b[: int(s.item())].numpy())) for b, s in zip(bufs, sizes)]
 
 
+@_exchange
 def broadcast_json(obj: Any, group: Any, src: int = 0) -> Any:
     """Broadcast rank `src`'s JSON value to every rank (other ranks pass anything)."""
     data = canonical_json(obj) if dist.get_rank() == src else b""
@@ -69,6 +93,7 @@ def broadcast_json(obj: Any, group: Any, src: int = 0) -> Any:
     return json.loads(bytes(buf.numpy()))
 
 
+@_exchange
 def all_reduce_ints(values: list[int], group: Any, op: str = "max") -> list[int]:
     """The element-wise max (or min) of an int64 vector over every rank."""
     t = torch.tensor(values, dtype=torch.int64)
@@ -77,6 +102,7 @@ def all_reduce_ints(values: list[int], group: Any, op: str = "max") -> list[int]
     return [int(v) for v in t.tolist()]
 
 
+@_exchange
 def all_to_all_bytes(parts: list[bytes], group: Any) -> list[bytes]:
     """Send `parts[r]` to rank r, receive what every rank sent this one (in rank order):
     one exchange of the sizes, one of the bytes."""

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from ..errors import (
     CkptStoreError,
+    CollectiveError,
     FormatError,
     IntegrityError,
     ObjectExistsError,
@@ -193,7 +194,7 @@ class PeerReplicas:
         answering (within the group's timeout) is an UnrestorableCheckpointError."""
         try:
             return all_gather_json(obj, self.group)
-        except RuntimeError as exc:
+        except CollectiveError as exc:
             raise UnrestorableCheckpointError(
                 f"the restore stopped while the ranks {what}: a rank left or did not answer "
                 f"within the peer timeout ({_short(exc)}); nothing usable was loaded") from exc
@@ -201,7 +202,7 @@ class PeerReplicas:
     def _gather_for_save(self, obj: Any, name: str) -> list[Any]:
         try:
             return all_gather_json(obj, self.group)
-        except RuntimeError as exc:
+        except CollectiveError as exc:
             raise PeerExchangeError(
                 f"checkpoint {name!r} is committed on rank {self.rank}, but its copy to the "
                 f"peers stopped: a rank left or did not answer within the peer timeout "
