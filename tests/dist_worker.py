@@ -583,3 +583,27 @@ def different_copies_worker(rank: int, world: int, init_file: str, root: str,
             assert mgr.latest_step() == 2
         finally:
             mgr.close()
+
+
+def value_keys_worker(rank: int, world: int, init_file: str, root: str, out_dir: str) -> None:
+    """Values that are not tensors come from rank 0's state: a key only rank 1 holds fails
+    the save on every rank (it would be lost); the same keys with per-rank values save, and
+    every rank restores rank 0's."""
+    with reporting(os.path.join(out_dir, f"keys-{rank}")):
+        _init(rank, world, init_file)
+        import ckptstore
+
+        mgr = ckptstore.CheckpointManager(root)
+        try:
+            extra = {"only_rank1": 5} if rank == 1 else {}
+            try:
+                mgr.save(1, {"w": torch.ones(4), "meta": {"seen": 100 + rank, **extra}})
+            except ckptstore.CkptStoreError as exc:
+                assert "different keys" in str(exc), exc
+            else:
+                raise AssertionError("a key only rank 1 held was dropped without an error")
+            mgr.save(2, {"w": torch.ones(4), "meta": {"seen": 100 + rank}})
+            state = {"w": torch.zeros(4), "meta": {"seen": -1}}
+            assert mgr.restore(state) == 2 and state["meta"]["seen"] == 100
+        finally:
+            mgr.close()

@@ -4,7 +4,7 @@ saves in O(ranks)").
 
 Every rank of `group` calls `save_by_rank_plans` with its own state; the steps, in order:
 
-1. agree: one all_reduce(MAX) of seven integers: a rank failed to prepare; a rank holds a
+1. agree: one all_reduce(MAX) of nine integers: a rank failed to prepare; a rank holds a
    leaf this plan cannot describe (a 0-d tensor in part; then every rank runs
    `distributed.save_collective`, the plan over every rank's description);
    a 62-bit digest of the state's structure (keys, kinds, dtypes, global shapes, which
@@ -12,7 +12,9 @@ Every rank of `group` calls `save_by_rank_plans` with its own state; the steps, 
    max == -max(-digest)); "my placements differ from my cached plan's"; and, the same way,
    a digest of the values of the tensors every rank holds whole (`whole_values`: each is
    written by one rank, so copies that differ would be committed as a mix of ranks; they
-   fail the save, naming the first such tensor).
+   fail the save, naming the first such tensor); and a digest of the keys of the values
+   that are not tensors (the checkpoint takes them from rank 0's state: a key other ranks
+   lack, or hold alone, fails the save).
 2. plan: unless no rank's placements changed (the cached plan is used again, as DCP's plan
    caching), the gcd of the interior ends of the ranks' boxes is agreed, per dimension of
    every tensor, by rounds of all_reduce(MIN) over one integer per dimension (`agree_gcds`);
@@ -61,6 +63,7 @@ from ..format.leaf import ArrayLeaf
 from ..format.manifest import SEGMENTED_VERSION, ChunkRef, Manifest
 from ..format.segment_encoding import SegmentRef
 from ..format.segments import SegmentedEntries
+from ..format.tree import CONTAINERS, children, node_kind
 from ..layout import blob_key, segments_in
 from ..pipeline.commit import SaveRequest
 from ..pipeline.options import METADATA_THREADS
@@ -153,7 +156,7 @@ class RankMemory:
 def report_failure(group: Any, error: str) -> None:
     """Take part in a collective save only to report that this rank failed before it could
     start: every rank raises this error (step 1, then the errors are all-gathered)."""
-    all_reduce_ints([1, 0, 0, 0, 0, 0, 0], group)
+    all_reduce_ints([1, 0, 0, 0, 0, 0, 0, 0, 0], group)
     all_gather_json(error[:MAX_ERROR_CHARS], group)
 
 
@@ -165,6 +168,24 @@ def _structure(leaves: list[ArrayLeaf]) -> int:
         h.update(f"{leaf.key}\0{leaf.kind}\0{leaf.dtype.name}\0{shape}\0"
                  f"{int(leaf.is_partial)}\0{leaf.replica[1]}\n".encode("utf-8",
                                                                      "surrogatepass"))
+    return h.intdigest() >> 2
+
+
+def value_keys(tree: Any) -> int:
+    """62 bits of a digest of the dotted keys, in order, of the state's values that are not
+    tensors or bytes (numbers, strings, None under their containers; `tree`: the encoded
+    state tree)."""
+    h = xxhash.xxh64()
+
+    def walk(node: Any, key: str) -> None:
+        kind, value = node_kind(node)
+        if kind in CONTAINERS:
+            for name, child in children(kind, value):
+                walk(child, f"{key}.{name}" if key else str(name))
+        elif kind not in ("tensor", "bytes"):
+            h.update(f"{key}\n".encode("utf-8", "surrogatepass"))
+
+    walk(tree, "")
     return h.intdigest() >> 2
 
 
@@ -316,13 +337,20 @@ def save_by_rank_plans(writer: CheckpointWriter, request: SaveRequest, group: An
         else None
     values = whole_values(leaves, boxes) if describable else []
     held = xxhash.xxh64_intdigest(canonical_json(values)) >> 2
-    failed, odd, high, neg_low, changed, same_high, same_neg_low = all_reduce_ints(
-        [0, int(not describable), structure, -structure, int(cached is None), held, -held],
-        group)
+    keys = value_keys(request.tree)
+    (failed, odd, high, neg_low, changed, same_high, same_neg_low, keys_high,
+     keys_neg_low) = all_reduce_ints([0, int(not describable), structure, -structure,
+                                      int(cached is None), held, -held, keys, -keys], group)
     if failed:
         errors = [e for e in all_gather_json(None, group) if e is not None]
         raise CkptStoreError(f"collective save of {name!r} failed, nothing committed: "
                              f"{errors[0]}")
+    if keys_high != -keys_neg_low:
+        raise CkptStoreError(
+            f"collective save of {name!r} failed, nothing committed: the ranks' states hold "
+            "values that are not tensors under different keys; the checkpoint takes them from "
+            "rank 0's state, so a key only other ranks hold would be lost (every rank must "
+            "save the same keys; per-rank values belong in a Shard of rows)")
     if odd or high != -neg_low:  # the general protocol (which names any disagreement)
         return FALLBACK
     if same_high != -same_neg_low:

@@ -103,3 +103,11 @@ def test_copies_of_a_tensor_every_rank_holds_must_be_the_same(tmp_path):
     spawn_ranks(W.different_copies_worker, 2, tmp_path, "copies",
                 lambda init, out: (2, init, str(tmp_path / "repo"), out),
                 lambda rank: f"copies-{rank}")
+
+
+def test_values_that_are_not_tensors_must_have_the_same_keys_on_every_rank(tmp_path):
+    # the checkpoint keeps rank 0's non-tensor values: a key only another rank held was
+    # dropped without an error, and restore left that rank's value as it was
+    spawn_ranks(W.value_keys_worker, 2, tmp_path, "keys",
+                lambda init, out: (2, init, str(tmp_path / "repo"), out),
+                lambda rank: f"keys-{rank}")
