@@ -172,13 +172,23 @@ def verify(store: Store, manifests: list[Manifest], algorithm: HashAlgorithm = X
 def chunk_blobs(manifests: list[Manifest]) -> set[str]:
     """Every blob a chunk of the manifests lies in, read from chunk tables (no entries):
     each distinct index segment once, the next manifest's while one is taken in (a segment
-    is named by its content: one read already names no blob the set lacks)."""
+    is named by its content: one read already names no blob the set lacks). A segment that
+    is missing or damaged names none (verify reports it); the others still count."""
     blobs: set[str] = set()
     read: set[str] = set()
     for m in with_next_read_ahead(manifests, lambda: read):
-        for table in m.chunk_tables(read):
-            blobs.update(table.blobs)
-        read.update(r.digest for r in m.segment_refs())
+        refs = {r.digest for r in m.segment_refs()}
+        try:
+            for table in m.chunk_tables(read):
+                blobs.update(table.blobs)
+        except FormatError:  # rare: then each segment alone, the bad one left out
+            for digest in refs - read:
+                try:
+                    for table in m.chunk_tables(read | (refs - {digest})):
+                        blobs.update(table.blobs)
+                except FormatError:
+                    continue
+        read.update(refs)
     return blobs
 
 

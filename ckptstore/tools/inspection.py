@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import FormatError
 from ..format import dtypes
 from ..format.manifest import (
     Manifest,
@@ -194,34 +195,47 @@ class UsageScan:
     once however many checkpoints name it (SegmentExtents). Digests are interned: a blob many
     checkpoints share is one string."""
 
-    def __init__(self, *, live: bool = False) -> None:
+    def __init__(self, *, live: bool = False, skip_unreadable: bool = False) -> None:
         self._rows: list[tuple[str, int, frozenset[str]]] = []
+        #: with `skip_unreadable`: (name, why) of each checkpoint left out of the accounting
+        #: because an index blob of it cannot be read (FormatError: missing or damaged);
+        #: without, that FormatError is raised
+        self.unreadable: list[tuple[str, str]] = []
+        self._skip_unreadable = skip_unreadable
         self._extents: dict[str, int] = {}
         self._segments = SegmentExtents()  # each distinct index segment read once
         self._ranges: set[tuple[str, int, int]] | None = set() if live else None
 
-    def add(self, manifest: Manifest) -> None:
+    def add(self, manifest: Manifest) -> bool:
         """Account one checkpoint: the blobs of its chunks and of its index segments (version
         3: read as chunk tables, no entries built; a segment an earlier checkpoint named is
-        not read again)."""
+        not read again). False if it was left out (`unreadable`)."""
         ext, ranges, name = self._extents, self._ranges, self._segments.name
 
         def chunk_ranges(table: ChunkTable) -> None:
             if ranges is not None:  # (blob names interned once per table)
                 ranges.update(replace(table, blobs=tuple(map(name, table.blobs))).ranges())
 
-        blobs = self._segments.of(manifest, chunk_ranges)
+        try:
+            blobs = self._segments.of(manifest, chunk_ranges)
+        except FormatError as exc:
+            if not self._skip_unreadable:
+                raise
+            self.unreadable.append((manifest.name, " ".join(str(exc).split())))
+            return False
         fold_extents(ext, blobs)
         if ranges is not None:
             ranges.update((name(r.digest), 0, r.size) for r in manifest.segment_refs())
         self._rows.append((manifest.name, manifest.logical_bytes, frozenset(blobs)))
+        return True
 
     def added(self, manifests: Iterable[Manifest]) -> Iterator[Manifest]:
-        """`add` each of `manifests`, then give it to the caller (a listing's rows); the
-        next one's segments not read yet are read meanwhile (`with_next_read_ahead`)."""
+        """`add` each of `manifests`, then give it to the caller (a listing's rows) unless it
+        was left out; the next one's segments not read yet are read meanwhile
+        (`with_next_read_ahead`)."""
         for manifest in with_next_read_ahead(manifests, self._segments.read):
-            self.add(manifest)
-            yield manifest
+            if self.add(manifest):
+                yield manifest
 
     @property
     def live_bytes(self) -> int:

@@ -160,3 +160,27 @@ def test_demo_runs_twice_on_one_s3_prefix_without_wrapping(moto_endpoint: str,
     assert "earlier demo run" in second and "step-2-run2" in second
     assert "verify step-3-run2" in second and "OK" in second
     assert "step-3-run2 (step 3)" in second
+
+
+def test_a_missing_index_segment_is_reported_by_verify_ls_and_du_not_a_crash(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # each of them stopped with "index blob ... has no good copy" (rc 2), verify included,
+    # instead of naming the blob and listing the rest
+    root = tmp_path / "repo"
+    state = {f"t{i}": torch.full((4,), float(i)) for i in range(3000)}  # segmented
+    with CheckpointStore(root) as repo:
+        repo.save("a", state)
+        repo.save("b", {**state, "t5": state["t5"] + 1})
+        segments = {s: {r.digest for r in repo.manifest(s).segment_refs()} for s in "ab"}
+    (lost,) = segments["b"] - segments["a"]
+    (root / BLOB_PREFIX / lost[:2] / lost).unlink()
+    rc, out, _err = run(capsys, "--json", "verify", str(root))
+    doc = json.loads(out)
+    assert rc == 1 and [(p["blob"], p["problem"], p["checkpoints"]) for p in doc["problems"]] \
+        == [(lost, "missing", ["b"])]
+    for command in ("ls", "du"):
+        rc, out, err = run(capsys, "--json", command, str(root))
+        doc = json.loads(out)
+        assert rc == 1, (command, err)
+        assert [c["name"] for c in doc["checkpoints"]] == ["a"], command
+        assert [e["name"] for e in doc["errors"]] == ["b"] and lost in doc["errors"][0]["error"]
