@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import IntegrityError, ObjectNotFoundError, StoreError
+from ckptstore.errors import IntegrityError, ObjectNotFoundError
 from ckptstore.stores import Store
 from ckptstore.toolkit import MergedRange, digest, merge_ranges
 
@@ -357,10 +357,12 @@ class BlockReader:
         return None if data is None else self._decode(part.path, data)
 
     def _refetch(self, part: _Part) -> bytes:
-        """Second (and last) try of one chunk whose bytes did not match."""
+        """Second (and last) try of one chunk whose bytes did not match. A store that fails
+        to answer raises its StoreError (an outage, not corrupt data); a chunk gone or
+        still wrong is an IntegrityError."""
         try:
             data = self.store.get_range(part.key, part.offset, part.nbytes)
-        except StoreError:
+        except ObjectNotFoundError:
             data = b""
         self.metrics.add_read(len(data))
         if digest(data) != part.digest:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dataloader
-from ckptstore import IntegrityError, open_store
+from ckptstore import IntegrityError, StoreError, open_store
 from ckptstore.toolkit import canonical_json, merge_ranges
 from dataloader.format import DatasetIndex
 from dataloader.read.cache import ChunkCache
@@ -124,6 +124,31 @@ def test_transient_corruption_is_retried_once(small_uri, monkeypatch):
 
     monkeypatch.setattr(ds.store, "read_into", flaky)
     assert len(list(ds)) == 523 and calls["n"] == 1
+
+
+def test_a_store_failing_on_the_second_try_is_an_outage_not_corruption(small_uri, monkeypatch):
+    # a bad transfer, then a server error on the retry: "the data is corrupt" said the
+    # IntegrityError, though the stored chunk was whole
+    ds = dataloader.StreamingDataset(small_uri)
+    real, real_range = ds.store.read_into, ds.store.get_range
+    corrupted: list[str] = []
+
+    def bad_transfer(key, start, out):
+        real(key, start, out)
+        if key.startswith("tokens/data"):
+            out[0] = out[0] ^ 0xFF
+            corrupted.append(key)
+
+    def server_error(key, start, length):  # the retry of that chunk (index reads go on)
+        if corrupted:
+            raise StoreError("HTTP 500 InternalError on every attempt")
+        return real_range(key, start, length)
+
+    monkeypatch.setattr(ds.store, "read_into", bad_transfer)
+    monkeypatch.setattr(ds.store, "get_range", server_error)
+    with pytest.raises(StoreError, match="HTTP 500") as caught:
+        list(ds)
+    assert not isinstance(caught.value, IntegrityError)
 
 
 def test_local_cache_serves_second_pass_and_evicts(tmp_path, small_uri):
