@@ -662,14 +662,28 @@ def _holds_shards(state: Any) -> bool:
 
 
 def _finish_module(module: torch.nn.Module, dest: Mapping[str, Any], loaded: Any) -> None:
-    """Tensors were filled in place; hand anything else (extra state) to load_state_dict."""
+    """Tensors were filled in place; hand anything else (extra state) to load_state_dict,
+    and everything when a tensor of `module.state_dict()` was not the module's own memory
+    (a state-dict hook that clones or casts, a wrapper): filling it in place changed
+    nothing the module holds."""
     if set(dest) != set(loaded):
         missing = sorted(set(dest) - set(loaded))
         unexpected = sorted(set(loaded) - set(dest))
         raise KeyMismatchError(f"module state mismatch: missing {missing[:5]}, "
                                f"unexpected {unexpected[:5]}")
-    if any(not isinstance(v, torch.Tensor) for v in dest.values()):
+    own = {_memory_of(t) for t in (*module.parameters(), *module.buffers())}
+    if any(not isinstance(v, torch.Tensor) or _memory_of(v) not in own
+           for v in dest.values()):
         module.load_state_dict(loaded)
+
+
+def _memory_of(t: torch.Tensor) -> int | None:
+    """Where a tensor's values live (its local part's, for a DTensor); None if unknown."""
+    local = t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
+    try:
+        return int(local.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _assign_in_place(dest: Any, loaded: Any, path: str) -> None:

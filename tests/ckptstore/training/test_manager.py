@@ -151,6 +151,32 @@ def test_restore_of_a_plain_state_names_the_tensors_the_checkpoint_lacks(tmp_pat
     mgr.close()
 
 
+def test_restore_of_a_module_whose_state_dict_hands_out_copies_reaches_its_weights(tmp_path):
+    # a state-dict hook that clones (wrappers, modules keeping master weights elsewhere):
+    # restore filled the copies in place, returned the step, and the weights never changed
+    class Cloning(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+            def clone_all(_module, state, _prefix, _local):
+                for key in list(state):
+                    state[key] = state[key].detach().clone()
+
+            self.register_state_dict_post_hook(clone_all)
+
+    model = Cloning()
+    mgr = CheckpointManager(tmp_path / "run")
+    with torch.no_grad():
+        model.lin.weight.fill_(1.0)
+    mgr.save(1, {"model": model})
+    with torch.no_grad():
+        model.lin.weight.fill_(0.0)
+    assert mgr.restore({"model": model}) == 1
+    assert torch.equal(model.lin.weight, torch.ones(2, 2))
+    mgr.close()
+
+
 def test_restore_mismatch_is_clear(tmp_path):
     mgr = CheckpointManager(tmp_path / "run")
     model, opt, _ = make()
