@@ -402,20 +402,25 @@ class CkptStoreCheckpointIO(CheckpointIO):
         """Write the missing pointer files of the checkpoints saved under `dirpath` (the folder
         and below), so that Lightning sees them again (on a fresh host, after the folder was
         deleted): `ckpt_path="last"`, the -v1 file names. Never replaces what exists at a
-        path. Returns the paths written, sorted."""
+        path. Returns the paths written, sorted. Lightning takes the "last" checkpoint by
+        file modification time: the pointers are written in commit order, and a local one
+        gets its checkpoint's creation time as its modification time, so the newest commit
+        stays the last whatever the file names (`last-v1.ckpt` sorts before `last.ckpt`)."""
         root = lightning_path(dirpath)
         sep = os.sep if _is_local(root) else "/"
-        written = []
+        todo = []
         for key, name in self.checkpoints().items():
             if key != root and not key.startswith(root.rstrip(sep) + sep):
                 continue
             if self._entry(key, strict=False)[0] != "missing":
                 continue
-            manifest = self.repo.manifest(name)
-            self._write_pointer(key, name, {"step": manifest.metadata.get("step"),
-                                            "epoch": manifest.metadata.get("epoch")})
-            written.append(key)
-        return written
+            todo.append((self.repo.manifest(name), key))
+        for manifest, key in sorted(todo, key=lambda mk: (mk[0].created, mk[1])):
+            self._write_pointer(key, manifest.name, {"step": manifest.metadata.get("step"),
+                                                     "epoch": manifest.metadata.get("epoch")})
+            if _is_local(key):
+                os.utime(key, (manifest.created, manifest.created))
+        return sorted(key for _manifest, key in todo)
 
     def teardown(self) -> None:
         """Wait for the repository's background work (replication to later tiers)."""

@@ -368,3 +368,45 @@ def test_plain_conversion_refuses_unknown_objects(tmp_path):
     assert io.repo.names() == []
     assert not (tmp_path / "bad.ckpt").exists()
     assert isinstance(ckptstore.CheckpointStore(str(tmp_path / "repo")).list(), list)
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+        self.loaded_step: int | None = None
+
+    def training_step(self, batch: Any, _i: int) -> Any:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.loaded_step = checkpoint["global_step"]
+
+
+def test_restored_pointers_keep_the_newest_commit_last(tmp_path):
+    # Lightning takes "last" by modification time; restore_pointers wrote the pointers in
+    # path order, so last-v1.ckpt (a later run's) came before last.ckpt and a fresh host
+    # resumed the older checkpoint
+    folder, repo = tmp_path / "ck", str(tmp_path / "repo")
+
+    def run(steps: int, ckpt_path: str | None = None) -> int | None:
+        model = _Tiny()
+        data = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.randn(16, 2)), batch_size=4)
+        trainer = pl.Trainer(max_steps=steps, plugins=[CkptStoreCheckpointIO(repo)],
+                             logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path,
+                             callbacks=[ModelCheckpoint(dirpath=folder, save_last=True,
+                                                        save_top_k=0, every_n_train_steps=1)])
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+        return model.loaded_step
+
+    run(4)  # last.ckpt, step 4 (an epoch is 4 steps)
+    run(8)  # a new run in the same folder: last-v1.ckpt, step 8
+    shutil.rmtree(folder)  # a fresh host
+    written = CkptStoreCheckpointIO(repo).restore_pointers(folder)
+    assert sorted(Path(p).name for p in written) == ["last-v1.ckpt", "last.ckpt"]
+    assert run(12, "last") == 8
