@@ -122,14 +122,24 @@ def _dataloader_doc(loader: Any) -> dict[str, Any]:
                            "stateful": bool(getattr(loader, "use_stateful_dataloader", False))}
     if doc["stateful"]:
         doc["state"] = loader.state_dict()
-        if doc["state"].get("_iterator_finished"):
+        if doc["state"].get("_iterator_finished") and _in_its_loop(loader):
             # saved at the last batch: the epoch is over, though `iteration` only advances
-            # when the loop asks for the next batch; the next epoch is what resumes
+            # when the loop asks for the next batch; the next epoch is what resumes (after
+            # the loop ended, accelerate has advanced it already)
             doc["iteration"] += 1
     sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
     if isinstance(sampler, SeedableRandomSampler):
         doc["sampler"] = {"initial_seed": int(sampler.initial_seed), "epoch": int(sampler.epoch)}
     return doc
+
+
+def _in_its_loop(loader: Any) -> bool:
+    """Whether a `for batch in loader` loop is still running: accelerate registers a
+    prepared dataloader with its GradientState when the loop begins and removes it when the
+    loop ends, right after advancing `iteration` (a loader without one: assumed running)."""
+    state = getattr(loader, "gradient_state", None)
+    references = getattr(state, "dataloader_references", None)
+    return references is None or any(ref is loader for ref in references)
 
 
 def _load_dataloader(loader: Any, doc: dict[str, Any], key: str) -> None:

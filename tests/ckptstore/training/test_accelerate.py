@@ -208,3 +208,26 @@ def test_overlapped_async_saves_guard_the_unwrapped_optimizer(tmp_path: Path,
             model.weight.zero_()
         assert load_state(acc, str(tmp_path / "repo"), step=step) == step
         assert torch.equal(model.weight, weights[step])
+
+
+def test_a_save_after_an_epochs_loop_resumes_the_next_epoch_not_the_one_after(
+        tmp_path: Path, fresh_state: None) -> None:
+    # accelerate's checkpointing_steps="epoch" saves after the loop, when the loader has
+    # advanced `iteration` already: the state added one more, and the resume skipped an
+    # epoch's data order
+    torch.manual_seed(0)  # the same data in both runs
+    acc, _model, _opt, loader = prepared(tmp_path / "p")
+    orders = []
+    for _epoch in range(3):
+        orders.append([x.flatten().tolist() for (x,) in loader])
+        if _epoch == 0:
+            mgr = ckptstore.CheckpointManager(tmp_path / "repo")
+            save_state(acc, mgr, 1)
+            mgr.close()
+    _reset_accelerate()
+    torch.manual_seed(0)
+    acc, _model, _opt, loader = prepared(tmp_path / "p")
+    mgr = ckptstore.CheckpointManager(tmp_path / "repo")
+    assert load_state(acc, mgr) == 1
+    mgr.close()
+    assert [x.flatten().tolist() for (x,) in loader] == orders[1]
