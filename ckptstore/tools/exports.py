@@ -185,6 +185,13 @@ def tensor_leaves(manifest: Manifest, keys: list[str] | None) -> tuple[list[tupl
     return tensors, skipped
 
 
+def torch_of_numpy(a: np.ndarray) -> Any:
+    """A torch tensor of numpy array `a`, its shape kept (a 0-d array stays 0-d, which
+    np.ascontiguousarray would make 1-d); copied only when not C-contiguous."""
+    torch = require("torch")
+    return torch.from_numpy(a if a.flags.c_contiguous else a.copy(order="C"))
+
+
 def as_safetensors_dict(flat: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """Flat key -> tensor for safetensors: numpy becomes torch, tensors are made contiguous,
     a tensor sharing memory with an earlier one is copied (safetensors refuses shared memory),
@@ -194,7 +201,7 @@ def as_safetensors_dict(flat: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     seen: set[int] = set()
     for key, value in flat:
         if isinstance(value, np.ndarray):
-            value = torch.from_numpy(np.ascontiguousarray(value))
+            value = torch_of_numpy(value)
         if not isinstance(value, torch.Tensor):
             continue
         if value.dtype in (torch.complex128, torch.complex32):

@@ -375,7 +375,7 @@ def export_checkpoint(repo: CheckpointStore, name: str, out: str | os.PathLike[s
             return tuple(convert(v, (*path, i)) for i, v in enumerate(obj))
         if isinstance(obj, np.ndarray):
             report.converted.append(key)
-            obj = torch.from_numpy(np.ascontiguousarray(obj))
+            obj = exports.torch_of_numpy(obj)
         if isinstance(obj, np.generic):
             report.converted.append(key)
             return obj.item()

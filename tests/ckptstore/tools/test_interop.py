@@ -99,6 +99,18 @@ def test_torch_export_is_weights_only_loadable_and_reimports(repo, tmp_path: Pat
     assert repo.load("b")["optim"]["state"][0]["exp_avg"].tolist() == [1, 1, 1]
 
 
+def test_a_0d_numpy_array_keeps_its_shape_in_every_export(repo, tmp_path: Path) -> None:
+    # np.ascontiguousarray makes a 0-d array 1-d: exports wrote shape (1,)
+    from safetensors.torch import load_file
+
+    repo.save("s", {"lr": np.array(2.5, dtype=np.float32), "w": torch.ones(2)})
+    export_checkpoint(repo, "s", tmp_path / "s.pt")
+    export_checkpoint(repo, "s", tmp_path / "s.safetensors")
+    for lr in (torch.load(tmp_path / "s.pt", weights_only=True)["lr"],
+               load_file(tmp_path / "s.safetensors")["lr"]):
+        assert lr.shape == () and float(lr) == 2.5
+
+
 class _Evil:
     def __reduce__(self):  # what a hostile .pt file carries
         return (os.system, ("touch /tmp/ckptstore-pwned",))
