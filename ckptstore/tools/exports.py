@@ -82,6 +82,18 @@ def check_target(out: str | os.PathLike[str], overwrite: bool) -> Path:
     return path
 
 
+def check_apart(out: Path, repository_folders: Iterable[Path]) -> None:
+    """Refuse an OUT that is, holds or lies inside one of the repository's own folders:
+    writing there (with --force, replacing what is at OUT) would delete the checkpoints the
+    export reads."""
+    for root in repository_folders:
+        root = Path(root).absolute()
+        if out == root or root in out.parents or out in root.parents:
+            raise ValueError(f"{out} is {'inside ' if root in out.parents else ''}the folder "
+                             f"of the repository being exported ({root}): write the export "
+                             "elsewhere")
+
+
 def process_umask() -> int:
     """The process umask, read without changing it where Linux shows it (/proc), else by the
     classic set-and-restore."""

@@ -281,7 +281,9 @@ def export_checkpoint(repo: CheckpointStore, name: str, out: str | os.PathLike[s
     if keep_tied and not folder_export:
         raise ValueError("--keep-tied applies to a safetensors export to a folder (the other "
                          "formats always write tied tensors as copies)")
-    exports.check_target(out, overwrite)
+    exports.check_apart(exports.check_target(out, overwrite),
+                        [root for t in repo.tiers
+                         if (root := getattr(t.store, "root", None)) is not None])
     model = exports.load_hf_model(hf_config, hf_model) if hf_config is not None else None
     t0 = time.perf_counter()
     manifest = repo.manifest(name)

@@ -111,6 +111,17 @@ def test_a_0d_numpy_array_keeps_its_shape_in_every_export(repo, tmp_path: Path) 
         assert lr.shape == () and float(lr) == 2.5
 
 
+def test_an_export_into_the_repositorys_own_folder_is_refused(tmp_path: Path) -> None:
+    # with overwrite (--force), an OUT of <repo>/blobs replaced the repository's blobs
+    repo = CheckpointStore(tmp_path / "r")
+    repo.save("s", {"w": torch.ones(4)})
+    for out in (tmp_path / "r" / "blobs", tmp_path / "r", tmp_path):
+        with pytest.raises(ValueError, match="repository being exported"):
+            export_checkpoint(repo, "s", out, fmt="safetensors", overwrite=True)
+    assert repo.verify("s").ok
+    repo.close()
+
+
 class _Evil:
     def __reduce__(self):  # what a hostile .pt file carries
         return (os.system, ("touch /tmp/ckptstore-pwned",))
