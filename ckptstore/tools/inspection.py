@@ -35,7 +35,7 @@ from ..format.manifest import (
     with_next_read_ahead,
 )
 from ..format.segment_encoding import ChunkTable
-from ..format.tree import key_string, node_kind
+from ..format.tree import CONTAINERS, children, key_string, node_kind
 
 
 # --------------------------------------------------------------------------- leaves
@@ -334,7 +334,13 @@ def _tensor_change(a: TensorEntry, b: TensorEntry) -> str | None:
 
 
 def diff(a: Manifest, b: Manifest) -> ManifestDiff:
-    """Compare two checkpoints by dotted key, from their manifests alone."""
+    """Compare two checkpoints by dotted key, from their manifests alone: tensors by their
+    chunks' digests (so both must be named by one hash algorithm: ValueError otherwise),
+    plain values by value, and the containers holding them (kind, key types, empty ones)."""
+    if a.hash != b.hash:
+        raise ValueError(f"cannot compare {a.name!r} and {b.name!r} by digest: their "
+                         f"repositories hash with {a.hash} and {b.hash} (load both and "
+                         "compare the values)")
     la = {leaf.key: leaf for leaf in leaves(a)}
     lb = {leaf.key: leaf for leaf in leaves(b)}
     added = tuple(k for k in lb if k not in la)
@@ -359,12 +365,39 @@ def diff(a: Manifest, b: Manifest) -> ManifestDiff:
             unchanged.append(key)
         else:
             changed.append(Change(key, why))
+    ca, cb = containers(a.tree), containers(b.tree)
+    for key in sorted(set(ca) | set(cb)):
+        if ca.get(key) != cb.get(key):  # int vs str keys, list vs tuple, an empty container
+            changed.append(Change(key or "(root)",
+                                  f"{ca.get(key, 'absent')} -> {cb.get(key, 'absent')}"))
     meta: dict[str, tuple[Any, Any]] = {}
     for k in sorted(set(a.metadata) | set(b.metadata)):
         va, vb = a.metadata.get(k), b.metadata.get(k)
         if va != vb or (k in a.metadata) != (k in b.metadata):
             meta[k] = (va, vb)
     return ManifestDiff(added, removed, tuple(changed), tuple(unchanged), meta)
+
+
+def containers(tree: Any) -> dict[str, str]:
+    """Dotted key -> what the container there is: its kind and its keys' types (`dict with
+    int keys`), marked `empty` when it holds nothing: what dotted keys alone do not tell."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, key: str) -> None:
+        kind, value = node_kind(node)
+        if kind not in CONTAINERS:
+            return
+        items = list(children(kind, value))
+        what = kind
+        if kind in ("dict", "odict"):
+            types = sorted({"int" if isinstance(k, int) else "str" for k, _child in items})
+            what += f" with {' and '.join(types)} keys" if types else ""
+        out[key] = what if items else f"empty {what}"
+        for name, child in items:
+            walk(child, f"{key}.{name}" if key else str(name))
+
+    walk(tree, "")
+    return out
 
 
 def _short(value: Any, limit: int = 40) -> str:

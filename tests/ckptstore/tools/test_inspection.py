@@ -37,6 +37,21 @@ def test_diff_by_digest(repo) -> None:
     assert diff(repo.manifest("a"), repo.manifest("a")).same
 
 
+def test_diff_sees_what_dotted_keys_hide_and_refuses_two_hashes(repo) -> None:
+    # int vs str keys (load_state_dict then restores nothing), an empty container vs none,
+    # a list vs a tuple: 'same' before; and two hash algorithms: every tensor 'changed'
+    repo.save("a", {"optim": {"state": {0: np.ones(2)}}, "e": {}, "p": [1, 2]})
+    repo.save("b", {"optim": {"state": {"0": np.ones(2)}}, "p": (1, 2)})
+    changes = {c.key: c.detail for c in diff(repo.manifest("a"), repo.manifest("b")).changed}
+    assert changes == {"optim.state": "dict with int keys -> dict with str keys",
+                       "e": "empty dict -> absent", "p": "list -> tuple"}
+    other = CheckpointStore(f"memory://{uuid.uuid4().hex}", hash="sha256-128")
+    other.save("a", {"p": [1, 2]})
+    with pytest.raises(ValueError, match="xxh3-128 and sha256-128"):
+        diff(repo.manifest("a"), other.manifest("a"))
+    other.close()
+
+
 def test_codec_is_not_a_change_but_chunking_cannot_be_compared(repo) -> None:
     w = np.arange(8192, dtype=np.float32)
     repo.save("raw", {"w": w})
