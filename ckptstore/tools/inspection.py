@@ -367,9 +367,11 @@ def diff(a: Manifest, b: Manifest) -> ManifestDiff:
             changed.append(Change(key, why))
     ca, cb = containers(a.tree), containers(b.tree)
     for key in sorted(set(ca) | set(cb)):
-        if ca.get(key) != cb.get(key):  # int vs str keys, list vs tuple, an empty container
-            changed.append(Change(key or "(root)",
-                                  f"{ca.get(key, 'absent')} -> {cb.get(key, 'absent')}"))
+        was, now = ca.get(key), cb.get(key)
+        if was == now or ((was is None or now is None)  # one side absent: its leaves are
+                          and not (was or now or "").startswith("empty")):  # added/removed
+            continue
+        changed.append(Change(key or "(root)", f"{was or 'absent'} -> {now or 'absent'}"))
     meta: dict[str, tuple[Any, Any]] = {}
     for k in sorted(set(a.metadata) | set(b.metadata)):
         va, vb = a.metadata.get(k), b.metadata.get(k)
