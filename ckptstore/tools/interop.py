@@ -60,6 +60,7 @@ import numpy as np
 from ..deps import require
 from ..errors import ExportWarning, FormatError, MissingDependencyError, TrustRequiredError
 from ..format.manifest import Manifest
+from ..format.tree import CONTAINERS, KeyFilter, children, node_kind
 from ..maintenance import leases
 from ..repository import REPO_DEFAULT, CheckpointStore, Compression
 from . import exports, inspection
@@ -354,6 +355,13 @@ def export_checkpoint(repo: CheckpointStore, name: str, out: str | os.PathLike[s
         report.seconds = time.perf_counter() - t0
         return report
     torch = require("torch")
+    if keys is not None:
+        split = _lists_split_by(manifest.tree, keys)
+        if split:
+            raise ValueError(f"keys select only some elements of the list at {split[0]!r}: a "
+                             "torch file would renumber them (the value of 'x.2' would be "
+                             "'x.0'); select the whole list, or export to safetensors, which "
+                             "keeps the keys")
     state = repo.load(manifest.name, keys=keys)
     if strip_prefix is not None:
         state = _subtree(state, strip_prefix)
@@ -390,6 +398,29 @@ def export_checkpoint(repo: CheckpointStore, name: str, out: str | os.PathLike[s
     _write_atomic(Path(out), overwrite, lambda p: torch.save(converted, p))
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _lists_split_by(tree: Any, keys: list[str]) -> list[str]:
+    """Dotted keys of the lists and tuples of which `keys` select some elements but not all
+    (a partial load closes such a list up)."""
+    keep = KeyFilter(keys)
+    out: list[str] = []
+
+    def walk(node: Any, key: str) -> None:
+        kind, value = node_kind(node)
+        if kind not in CONTAINERS or (key and not (keep(key) or keep.reaches(key))):
+            return
+        items = [(f"{key}.{name}" if key else str(name), child)
+                 for name, child in children(kind, value)]
+        if kind in ("list", "tuple") and key and not keep(key):
+            chosen = sum(1 for k, _c in items if keep(k) or keep.reaches(k))
+            if 0 < chosen < len(items):
+                out.append(key)
+        for k, child in items:
+            walk(child, k)
+
+    walk(tree, "")
+    return out
 
 
 def _load_flat(repo: CheckpointStore, manifest: Manifest,

@@ -122,6 +122,18 @@ def test_an_export_into_the_repositorys_own_folder_is_refused(tmp_path: Path) ->
     repo.close()
 
 
+def test_a_torch_export_refuses_keys_that_select_part_of_a_list(repo, tmp_path: Path) -> None:
+    # a partial load closes lists up: layers.2 was written as layers.0
+    layers = [torch.full((2,), float(i)) for i in range(3)]
+    repo.save("s", {"layers": layers, "step": 3})
+    with pytest.raises(ValueError, match="some elements of the list at 'layers'"):
+        export_checkpoint(repo, "s", tmp_path / "part.pt", keys=["layers.2"])
+    assert not (tmp_path / "part.pt").exists()
+    export_checkpoint(repo, "s", tmp_path / "all.pt", keys=["layers"])
+    got = torch.load(tmp_path / "all.pt", weights_only=True)["layers"]
+    assert [t.tolist() for t in got] == [t.tolist() for t in layers]
+
+
 class _Evil:
     def __reduce__(self):  # what a hostile .pt file carries
         return (os.system, ("touch /tmp/ckptstore-pwned",))
