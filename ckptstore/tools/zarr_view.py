@@ -3,7 +3,10 @@
     group = zarr.open_group(store=ckptstore.zarr_store(repo, "step-100"), mode="r")
     group["model.embed.weight"][10:20]
 
-Each tensor is an array named by its dotted key ('/' written as '%2F', the root key as '_').
+Each tensor is an array named by its dotted key ('%' written as '%25', '/' as '%2F', a key
+'_' as '%5F' and 'zarr.json' as 'zarr%2Ejson', so that the root key can be '_' and no array
+hides the group's metadata); a tensor saved under several keys (the same object twice) is an
+array under each.
 Chunks are served decoded and verified against their digests (IntegrityError otherwise), with
 the last row block padded to the full chunk shape as zarr expects; so every array's metadata
 here lists only the `bytes` codec. bfloat16/float8/complex32 arrays hold raw bits (uint16,
@@ -32,15 +35,20 @@ from zarr.abc.store import (
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from ..format.manifest import Manifest, TensorEntry
+from ..format.tree import tied_keys
 from ..pipeline.reader import CheckpointReader, ReadTarget
 
 if TYPE_CHECKING:
     from ..repository import CheckpointStore
 
 
+_RESERVED = {"_": "%5F", "zarr.json": "zarr%2Ejson"}
+
+
 def node_name(key: str) -> str:
-    """The zarr array name of a tensor key."""
-    return key.replace("%", "%25").replace("/", "%2F") or "_"
+    """The zarr array name of a tensor key (one name per key, see the module docstring)."""
+    name = key.replace("%", "%25").replace("/", "%2F")
+    return _RESERVED.get(name, name) or "_"
 
 
 class CheckpointZarrStore(Store):
@@ -52,8 +60,12 @@ class CheckpointZarrStore(Store):
         self._manifest = manifest
         self._reader = reader
         self._arrays: dict[str, TensorEntry] = {}
-        for entry in self._manifest.tensors:
+        entries = self._manifest.tensors
+        for entry in entries:
             self._arrays.setdefault(node_name(entry.key), entry)
+        for index, keys in tied_keys(self._manifest.tree).items():  # the same object again
+            for key in keys:
+                self._arrays.setdefault(node_name(key), entries[index])
         self._docs: dict[str, bytes] = {"zarr.json": json.dumps({
             "zarr_format": 3, "node_type": "group",
             "attributes": {"ckptstore": {"checkpoint": self._manifest.name,

@@ -67,3 +67,18 @@ def test_zarr_view_is_read_only(tmp_path):
     group = zarr.open_group(store=store, mode="r")
     with pytest.raises(PermissionError):
         group["t"][0] = 1.0
+
+
+def test_every_key_is_an_array_of_its_own(tmp_path):
+    # the same tensor object under two keys came out once; a key '_' took the root key's
+    # name and a key 'zarr.json' the group's metadata name
+    repo = CheckpointStore(tmp_path / "r")
+    emb = torch.arange(6.0)
+    repo.save("s", {"emb": emb, "head": emb, "": torch.ones(2), "_": torch.full((2,), 7.0),
+                    "zarr.json": torch.zeros(3)})
+    group = zarr.open_group(store=ckptstore.zarr_store(repo, "s"), mode="r")
+    arrays = dict(group.arrays())
+    assert sorted(arrays) == ["%5F", "_", "emb", "head", "zarr%2Ejson"]
+    assert arrays["head"][:].tolist() == emb.tolist() == arrays["emb"][:].tolist()
+    assert arrays["_"][:].tolist() == [1.0, 1.0] and arrays["%5F"][:].tolist() == [7.0, 7.0]
+    assert arrays["zarr%2Ejson"][:].tolist() == [0.0, 0.0, 0.0]
