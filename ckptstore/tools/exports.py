@@ -197,6 +197,11 @@ def tensor_leaves(manifest: Manifest, keys: list[str] | None) -> tuple[list[tupl
     return tensors, skipped
 
 
+def _sub_byte_dtypes(torch: Any) -> tuple[Any, ...]:
+    """torch dtypes that pack two values in a byte (where this torch has them)."""
+    return tuple(dt for name in ("float4_e2m1fn_x2",) if (dt := getattr(torch, name, None)))
+
+
 def torch_of_numpy(a: np.ndarray) -> Any:
     """A torch tensor of numpy array `a`, its shape kept (a 0-d array stays 0-d, which
     np.ascontiguousarray would make 1-d); copied only when not C-contiguous."""
@@ -219,6 +224,9 @@ def as_safetensors_dict(flat: Iterable[tuple[str, Any]]) -> dict[str, Any]:
         if value.dtype in (torch.complex128, torch.complex32):
             raise FormatError(f"{key}: safetensors cannot store {value.dtype}; export to a "
                               "torch file or zarr instead")
+        if not value.dim() and value.dtype in _sub_byte_dtypes(torch):
+            raise FormatError(f"{key}: safetensors cannot store a 0-d {value.dtype} tensor "
+                              "(two values per byte); export to a torch file or zarr instead")
         t = value.detach().contiguous()
         if t.numel():
             if t.untyped_storage().data_ptr() in seen:

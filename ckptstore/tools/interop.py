@@ -58,7 +58,13 @@ from typing import Any
 import numpy as np
 
 from ..deps import require
-from ..errors import ExportWarning, FormatError, MissingDependencyError, TrustRequiredError
+from ..errors import (
+    CkptStoreError,
+    ExportWarning,
+    FormatError,
+    MissingDependencyError,
+    TrustRequiredError,
+)
 from ..format.manifest import Manifest
 from ..format.tree import CONTAINERS, KeyFilter, children, node_kind
 from ..maintenance import leases
@@ -189,7 +195,13 @@ def _write_atomic(out: Path, overwrite: bool, write: Any) -> None:
     out = exports.check_target(out, overwrite)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        write(str(tmp))
+        try:
+            write(str(tmp))
+        except (OSError, CkptStoreError):
+            raise
+        except Exception as exc:  # torch's and safetensors' own errors: name the file
+            raise OSError(f"cannot write {out}: {type(exc).__name__}: "
+                          f"{_first_line(exc)}") from exc
         exports.apply_umask(tmp)  # the safetensors library creates its files 0600
         fd = os.open(tmp, os.O_RDONLY)
         try:

@@ -134,6 +134,20 @@ def test_a_torch_export_refuses_keys_that_select_part_of_a_list(repo, tmp_path: 
     assert [t.tolist() for t in got] == [t.tolist() for t in layers]
 
 
+def test_exports_that_cannot_be_written_say_why(repo, tmp_path: Path) -> None:
+    # torch's and safetensors' own errors came out as 'ckpt: internal error'
+    repo.save("s", {"w": torch.ones(2)})
+    unwritable = Path("/proc/self")  # a folder in which no file can be created
+    if unwritable.is_dir():
+        for out in (unwritable / "x.pt", unwritable / "x.safetensors"):
+            with pytest.raises(OSError, match=f"cannot write {out}"):
+                export_checkpoint(repo, "s", out)
+    if hasattr(torch, "float4_e2m1fn_x2"):
+        repo.save("f4", {"x": torch.zeros((), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)})
+        with pytest.raises(FormatError, match="0-d"):
+            export_checkpoint(repo, "f4", tmp_path / "f4.safetensors")
+
+
 class _Evil:
     def __reduce__(self):  # what a hostile .pt file carries
         return (os.system, ("touch /tmp/ckptstore-pwned",))
