@@ -14,8 +14,9 @@ layout idea). Every other module builds keys through here; docs/format.md is its
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from .errors import FormatError, ObjectNotFoundError, StoreError
@@ -52,6 +53,22 @@ class _Gets(Protocol):
     uri: str
 
     def get(self, key: str) -> bytes: ...
+
+
+class _Has(Protocol):
+    def exists(self, key: str) -> bool: ...
+
+
+def missing_blobs(store: _Has, blobs: Iterable[str], workers: int = 8) -> list[str]:
+    """The blobs among `blobs` that `store` lacks, sorted: one `exists` each (a HEAD on
+    S3), `workers` at a time. The one check before a commit that names blobs it did not
+    just write (reused ones after a gc's sweep, other ranks', a DCP save's)."""
+    wanted = sorted(set(blobs))
+    if not wanted:
+        return []
+    with cf.ThreadPoolExecutor(min(workers, len(wanted))) as pool:
+        present = list(pool.map(lambda b: store.exists(blob_key(b)), wanted))
+    return [b for b, ok in zip(wanted, present) if not ok]
 
 
 def segments_in(stores: Sequence[_Gets], algorithm: HashAlgorithm,

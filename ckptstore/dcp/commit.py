@@ -9,7 +9,6 @@ replication records and the create-only manifest are the repository's own.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 from typing import Any
 
 from ..errors import CkptStoreError, FormatError, ReusedBlobsMissingError
@@ -18,7 +17,7 @@ from ..format.dtypes import by_name
 from ..format.manifest import Manifest, TensorEntry, entry_problem
 from ..format.manifest_parse import check_tree
 from ..format.segments import version_for
-from ..layout import blob_key
+from ..layout import missing_blobs
 from ..maintenance.leases import Lease
 from ..pipeline.commit import SaveRequest
 from ..pipeline.options import METADATA_THREADS, SaveInfo
@@ -198,10 +197,7 @@ def node_index(tree: Any) -> dict[Path, Any]:
 # ------------------------------------------------------------------------------ commit
 def confirm_blobs(store: Store, blobs: set[str]) -> None:
     """Raise ReusedBlobsMissingError unless every blob exists (HEAD each, in parallel)."""
-    keys = sorted(blobs)
-    with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
-        present = list(pool.map(lambda b: store.exists(blob_key(b)), keys))
-    missing = [b for b, ok in zip(keys, present) if not ok]
+    missing = missing_blobs(store, blobs, METADATA_THREADS)
     if missing:
         raise ReusedBlobsMissingError(missing)
 
@@ -243,10 +239,7 @@ def check_shared(store: Store, probes: dict[str, int]) -> None:
     """Raise CkptStoreError unless the blobs of `probes` are all in `store`: ranks that wrote
     them elsewhere (a node-local folder on every node) did not share it, and the checkpoint
     committed there would name blobs it lacks."""
-    blobs = sorted(probes)
-    with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
-        present = list(pool.map(lambda b: store.exists(blob_key(b)), blobs))
-    lost = [b for b, ok in zip(blobs, present) if not ok]
+    lost = missing_blobs(store, probes, METADATA_THREADS)
     if lost:
         raise CkptStoreError(
             f"a blob rank {probes[lost[0]]} wrote ({lost[0]}) is not in {store.uri}, where the "

@@ -49,7 +49,7 @@ from ..format.manifest import BlobUnion, Manifest
 from ..format.manifest_parse import committed_manifest
 from ..format.names import validate_name
 from ..format.tree import TreeEncoder, flatten_arrays
-from ..layout import blob_key, manifest_key
+from ..layout import manifest_key, missing_blobs
 from ..maintenance import checks, leases
 from ..pipeline.commit import Committer, LocalCommitter, SaveRequest
 from ..pipeline.options import (
@@ -430,10 +430,8 @@ class SingleStore(CheckpointStore, kind="single"):
         ReusedBlobsMissingError (the save writes everything again) if one is gone."""
         if (not reused and every is None) or not lease.sweep_may_have_run():
             return
-        keys = sorted(reused if every is None else every())
-        with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
-            present = list(pool.map(lambda b: self.store.exists(blob_key(b)), keys))
-        missing = [b for b, ok in zip(keys, present) if not ok]
+        missing = missing_blobs(self.store, reused if every is None else every(),
+                                METADATA_THREADS)
         if missing:
             raise ReusedBlobsMissingError(missing)
 

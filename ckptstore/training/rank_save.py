@@ -38,7 +38,6 @@ save reuses those chunks without reading the checkpoint back.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import math
 import threading
 import time
@@ -64,7 +63,7 @@ from ..format.manifest import SEGMENTED_VERSION, ChunkRef, Manifest
 from ..format.segment_encoding import SegmentRef
 from ..format.segments import SegmentedEntries
 from ..format.tree import CONTAINERS, children, node_kind
-from ..layout import blob_key, segments_in
+from ..layout import missing_blobs, segments_in
 from ..pipeline.commit import SaveRequest
 from ..pipeline.options import METADATA_THREADS
 from ..pipeline.planning import LeafPlan
@@ -451,10 +450,7 @@ def _check_shared(store: Store, built_by: dict[str, int]) -> None:
     """Rank 0, before its commit: the index segments other ranks built ({digest: rank}) are
     in its store. They are not where the ranks do not share tier 0 (a node-local folder on
     every node): committing then would name blobs rank 0's store lacks."""
-    digests = sorted(built_by)
-    with cf.ThreadPoolExecutor(METADATA_THREADS) as pool:
-        present = list(pool.map(lambda d: store.exists(blob_key(d)), digests))
-    lost = [d for d, ok in zip(digests, present) if not ok]
+    lost = missing_blobs(store, built_by, METADATA_THREADS)
     if lost:
         raise _RankFailed(
             f"rank 0: the index segment rank {built_by[lost[0]]} built ({lost[0]}) is not in "
