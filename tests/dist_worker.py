@@ -551,12 +551,13 @@ def agreed_restore_worker(rank: int, world: int, init_file: str, root: str, out_
                 assert mgr.restore(state) == 1
             assert any("step 2 is damaged" in str(w.message) for w in caught), caught
             assert torch.equal(state["w"].full_tensor(), _rows(world, 1.0)["w"].full_tensor())
-            try:
-                mgr.restore(state, step=1 + rank)
-            except ckptstore.CkptStoreError as exc:
-                assert "different steps" in str(exc), exc
-            else:
-                raise AssertionError("ranks restored different steps")
+            for mine in (1 + rank, None if rank == 0 else 2):  # (also: one asks none)
+                try:
+                    mgr.restore(state, step=mine)
+                except ckptstore.CkptStoreError as exc:
+                    assert "different steps" in str(exc), exc
+                else:
+                    raise AssertionError("ranks restored different steps")
         finally:
             mgr.close()
 

@@ -412,10 +412,10 @@ class CheckpointManager:
         if last is not None:
             last.wait()
         chosen = step is None
-        if step is None:
-            step = self.latest_step()
         if self.distributed:
-            step = self._agreed_step(step, chosen)
+            step = self._agreed_step(step)
+        elif step is None:
+            step = self.latest_step()
         while step is not None:
             try:
                 self._load_into(state, step, device=map_location)
@@ -442,16 +442,18 @@ class CheckpointManager:
             step = older
         return None
 
-    def _agreed_step(self, step: int | None, chosen: bool) -> int | None:
-        """The step every rank restores: rank 0's latest when none was asked for; a step
-        asked for must be the same on every rank (CkptStoreError otherwise)."""
-        if chosen:
-            return cast(int | None, cdist.broadcast_json(step, self.group))
-        asked = all_gather_json(step, self.group)
-        if len(set(asked)) > 1:
+    def _agreed_step(self, asked: int | None) -> int | None:
+        """The step every rank restores: the one asked for, which must be the same on every
+        rank (None on all, or one step: CkptStoreError otherwise), else rank 0's latest.
+        Every rank makes the same collective calls whatever it asked."""
+        every = all_gather_json(asked, self.group)
+        if len(set(every)) > 1:
             raise CkptStoreError(f"restore(step=...) asked for different steps on the ranks "
-                                 f"({dict(enumerate(asked))}); nothing was restored")
-        return step
+                                 f"({dict(enumerate(every))}); nothing was restored")
+        if asked is not None:
+            return asked
+        latest = self.latest_step() if self.rank == 0 else None
+        return cast(int | None, cdist.broadcast_json(latest, self.group))
 
     def _all_loaded(self, step: int, failure: BaseException | None) -> BaseException | None:
         """After every rank tried to restore `step`: None if every rank did, else the error
