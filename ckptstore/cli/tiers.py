@@ -14,7 +14,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from .args import positive_int
-from .exits import EXIT_OK
+from .exits import EXIT_FOUND, EXIT_OK
 
 if TYPE_CHECKING:  # the parser imports this module: the rest is imported when a command runs
     from ..repository import CheckpointStore
@@ -88,14 +88,18 @@ def cmd_ls_tiers(args: argparse.Namespace, out: Output) -> int:
 def cmd_replicate(args: argparse.Namespace, out: Output) -> int:
     """`ckpt replicate NEAR FAR [--name N ...]`: copy the checkpoints of NEAR that FAR lacks
     (default: all of them, oldest first)."""
-    from ..layout import manifest_key
     from ..tiers.replication import replicate_checkpoint
     from .output import human_bytes, line
 
     near, far = open_tiers([args.near, args.far], args, create=True, workers=args.workers)
     try:
-        names = [near.manifest(n).name for n in args.name] if args.name else [
-            n for n in near.history() if not far.store.exists(manifest_key(n))]
+        conflicts: list[str] = []
+        if args.name:
+            names = [near.manifest(n).name for n in args.name]
+        else:  # FAR's checkpoint of a name NEAR holds is the same one iff created the same
+            theirs, ours = far.known_created(), near.known_created()
+            names = [n for n in near.history() if n not in theirs]
+            conflicts = sorted(n for n in ours if n in theirs and theirs[n] != ours[n])
         done: list[dict[str, Any]] = []
         total = 0
         with out.progress(f"replicating to {far.uri}") as bar:
@@ -115,11 +119,15 @@ def cmd_replicate(args: argparse.Namespace, out: Output) -> int:
                                  "bytes_sent": result.bytes_sent,
                                  "seconds": round(result.seconds, 3)})
         doc: dict[str, Any] = {"near": near.uri, "far": far.uri, "replicated": done,
-               "bytes_sent": sum(d["bytes_sent"] for d in done)}
+               "bytes_sent": sum(d["bytes_sent"] for d in done), "conflicts": conflicts}
 
         def render(console: Any) -> None:
+            for name in conflicts:
+                line(console, f"{name}: {far.uri} holds another checkpoint under this name "
+                              "(not replaced)")
             if not done:
-                line(console, f"{far.uri} already holds every checkpoint of {near.uri}")
+                if not conflicts:
+                    line(console, f"{far.uri} already holds every checkpoint of {near.uri}")
                 return
             for d in done:
                 what = ("already there" if d["already_there"] else
@@ -130,10 +138,13 @@ def cmd_replicate(args: argparse.Namespace, out: Output) -> int:
                           f"{human_bytes(doc['bytes_sent'])} sent")
 
         out.emit(doc, render)
+        if conflicts and out.json_mode:
+            out.note(f"{len(conflicts)} checkpoint name(s) on {far.uri} hold other "
+                     f"checkpoints: {', '.join(conflicts[:5])}")
     finally:
         near.close()
         far.close()
-    return EXIT_OK
+    return EXIT_FOUND if conflicts else EXIT_OK
 
 
 def add_replicate_parser(add: Any) -> None:

@@ -39,3 +39,18 @@ def test_ls_shows_tiers_and_replicate_copies_what_far_lacks(
     code, doc = run(capsys, "ls", near, far)
     assert all(len(c["tiers"]) == 2 for c in doc["checkpoints"])
     assert main(["replicate", near, str(tmp_path / "nowhere" / "x"), "--name", "zz"]) == 2
+
+
+def test_replicate_reports_a_name_far_holds_for_another_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # FAR's step-1 held other values and replicate said FAR had everything (exit 0)
+    near, far = str(tmp_path / "near"), str(tmp_path / "far")
+    ckptstore.CheckpointStore(near).save("step-1", {"w": np.ones(3)})
+    ckptstore.CheckpointStore(far).save("step-1", {"w": np.zeros(3)})
+    ckptstore.CheckpointStore(near).save("step-2", {"w": np.ones(3) * 2})
+    code, doc = run(capsys, "replicate", near, far)
+    assert code == 1 and doc["conflicts"] == ["step-1"]
+    assert [d["name"] for d in doc["replicated"]] == ["step-2"]
+    assert ckptstore.CheckpointStore(far).load("step-1")["w"].tolist() == [0.0, 0.0, 0.0]
+    code, doc = run(capsys, "replicate", near, far)  # step-2, copied by replicate: no conflict
+    assert doc["conflicts"] == ["step-1"] and doc["replicated"] == []
